@@ -1,0 +1,5 @@
+"""`python -m kimictl`."""
+
+from kimictl.cli.main import main
+
+main()

@@ -1,0 +1,1 @@
+"""Command-line layer: parses arguments and prints; logic lives in the stage modules."""

@@ -1,0 +1,24 @@
+"""kimictl entry point: registers commands; each command module imports its heavy parts lazily."""
+
+from __future__ import annotations
+
+import typer
+
+from kimictl.cli import static
+
+app = typer.Typer(
+    name="kimictl",
+    help="Deploy and operate Kimi K2.5 on Atlas 800 A2/A3 clusters with vLLM-Ascend, prefill/decode disaggregated.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+app.command()(static.topologies)
+app.command()(static.validate)
+app.command()(static.plan)
+app.command()(static.render)
+app.command()(static.schema)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,107 @@
+"""Static commands (no host touched): topologies, validate, plan, render, schema."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kimictl.cli.common import InventoryOpt, Output, OutputOpt, TopologyOpt, emit_json, handle_errors
+
+
+@handle_errors
+def topologies(output: OutputOpt = Output.text) -> None:
+    """List topology presets with a one-line description."""
+    from kimictl.topology import load_topology, preset_names
+
+    topos = [load_topology(n) for n in preset_names()]
+    if output == Output.json:
+        emit_json({"topologies": [{"name": t.name, "description": t.description, "hardware": t.hardware,
+                                   "mode": t.mode, "roles": {r: {"dp": s.dp, "tp": s.tp, "nodes": s.nodes}
+                                                             for r, s in t.roles.items()}} for t in topos]})
+        return
+    from kimictl.cli.views import print_to_stdout, topologies_view
+
+    print_to_stdout(topologies_view(topos))
+
+
+@handle_errors
+def validate(inventory: InventoryOpt, topology: TopologyOpt, output: OutputOpt = Output.text) -> None:
+    """Check the inventory schema, the topology and that the plan is feasible (exit 2 when not)."""
+    from kimictl.pipeline import prepare
+
+    p = prepare(inventory, topology)
+    summary = {
+        "valid": True, "cluster": p.plan.cluster, "topology": p.plan.topology, "hosts": len(p.inventory.hosts),
+        "engines": len(p.plan.engines), "warnings": p.plan.warnings,
+    }
+    if output == Output.json:
+        emit_json(summary)
+        return
+    typer.echo(f"ok: {inventory} with topology {p.plan.topology}: {summary['hosts']} host(s), "
+               f"{summary['engines']} engine(s), plan feasible")
+    for w in p.plan.warnings:
+        typer.echo(f"warning: {w}")
+
+
+@handle_errors
+def plan(inventory: InventoryOpt, topology: TopologyOpt, output: OutputOpt = Output.text) -> None:
+    """Show host->role assignment, DP x TP x EP, per-NPU HBM and KV capacity (estimates), ports, switches."""
+    from kimictl.pipeline import prepare
+
+    p = prepare(inventory, topology)
+    if output == Output.json:
+        emit_json({"schema_version": 1, **p.plan.model_dump(mode="json")})
+        return
+    from kimictl.cli.views import plan_view, print_to_stdout
+
+    print_to_stdout(plan_view(p.plan))
+
+
+@handle_errors
+def render(
+    inventory: InventoryOpt,
+    topology: TopologyOpt,
+    out: Annotated[Path | None, typer.Option("--out", help="Write per-host files and render.json here.")] = None,
+    output: OutputOpt = Output.text,
+) -> None:
+    """Render per-host launch artifacts: engine env + launch scripts, container specs, proxy command."""
+    from kimictl.pipeline import prepare
+    from kimictl.render import render as do_render
+    from kimictl.render import write_rendered
+
+    p = prepare(inventory, topology)
+    rendered = do_render(p.plan, p.inventory, p.topology)
+    if out is not None:
+        write_rendered(rendered, out)
+    if output == Output.json:
+        emit_json(rendered.contract())
+        return
+    from kimictl.cli.views import print_to_stdout, render_view
+
+    print_to_stdout(render_view(rendered, str(out) if out else None))
+
+
+class SchemaKind(str, Enum):
+    inventory = "inventory"
+    topology = "topology"
+
+
+@handle_errors
+def schema(kind: Annotated[SchemaKind, typer.Argument(help="inventory or topology")]) -> None:
+    """Print the JSON Schema of inventory variables or of a topology file."""
+    if kind == SchemaKind.topology:
+        from kimictl.topology import Topology
+
+        emit_json(Topology.model_json_schema())
+        return
+    from kimictl.inventory import KEYS, ClusterSettings, Host
+
+    emit_json({
+        "description": "kimictl inventory variables (an Ansible YAML inventory; cluster keys under all.vars)",
+        "cluster_vars": ClusterSettings.model_json_schema(),
+        "host_vars": Host.model_json_schema(),
+        "keys": {k: {"scope": v.scope, "help": v.help} for k, v in KEYS.items()},
+    })

@@ -1,0 +1,102 @@
+"""Text views (rich tables) of plans and renders; only called for --output text."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from kimictl.plan import Plan
+    from kimictl.render import Rendered
+    from kimictl.topology import Topology
+
+
+def _ranges(nums: list[int]) -> str:
+    if not nums:
+        return "-"
+    return f"{nums[0]}-{nums[-1]}" if len(nums) > 1 else str(nums[0])
+
+
+def plan_view(plan: Plan) -> Group:
+    head = Text.assemble(
+        ("cluster ", "dim"), (plan.cluster, "bold"), ("  topology ", "dim"), (plan.topology, "bold"),
+        ("  vllm-ascend ", "dim"), plan.vllm_ascend_version, ("  hardware ", "dim"), plan.hardware,
+        ("  runtime ", "dim"), plan.runtime, ("\nimage ", "dim"), plan.image, ("  model ", "dim"), plan.model_dir,
+    )
+    inst = Table(title="Instances (DP groups)", title_justify="left")
+    for col in ("instance", "hosts", "DP x TP", "EP", "DP master", "rpc port", "kv_port range", "engine_id"):
+        inst.add_column(col)
+    for i in plan.instances:
+        kv = f"{i.kv_port}-{i.kv_port + i.dp * i.tp - 1}" if i.kv_port else "-"
+        inst.add_row(i.name, ", ".join(i.hosts), f"{i.dp} x {i.tp}", str(i.ep), f"{i.master_host} ({i.master_ip})",
+                     str(i.rpc_port), kv, i.engine_id or "-")
+
+    eng = Table(title="Engines (one process each)", title_justify="left")
+    for col in ("engine", "host", "role", "DP rank(s)", "NPUs", "HTTP port"):
+        eng.add_column(col)
+    for e in plan.engines:
+        port = str(e.port) if e.serves_http else f"{e.port} (headless)"
+        eng.add_row(e.id, e.host, e.role, ",".join(map(str, e.dp_ranks)), _ranges(e.devices), port)
+
+    mem = Table(title="Per-NPU HBM (estimate)", title_justify="left")
+    for col in ("role", "usable GiB", "weights GiB", "reserve+act GiB", "KV GiB", "KV tokens / DP rank",
+                "seqs @ max-model-len"):
+        mem.add_column(col, justify="right" if col != "role" else "left")
+    for role, f in plan.fits.items():
+        mem.add_row(role, f"{f.usable_gib:.1f} ({f.hbm_gib:.0f} x {f.gpu_memory_utilization:.2f})",
+                    f"{f.weights_total_gib:.2f} (experts {f.weights_gib['routed_experts']:.2f})",
+                    f"{f.reserve_gib + f.activation_gib + f.draft_gib:.2f}", f"{f.kv_cache_gib:.2f}",
+                    f"{f.kv_tokens_per_dp_rank:,}", f"{f.max_seqs_per_dp_rank} x {f.max_model_len}")
+
+    sw = Table(title="Fused kernels and switches", title_justify="left", show_lines=False)
+    for col in ("role", "switch", "state", "rendered as", "why"):
+        sw.add_column(col, overflow="fold")
+    for s in plan.switches:
+        style = {"on": "green", "off": "yellow", "skipped": "dim"}[s.state]
+        sw.add_row(s.role, s.switch, Text(s.state, style=style), s.spelled or s.note, s.why)
+
+    parts: list = [head, inst, eng, mem, sw]
+    if plan.proxy:
+        p = plan.proxy
+        parts.append(Text.assemble(("P/D proxy ", "bold"), f"{p.router} on {p.host} ({p.ip}:{p.port}), policy "
+                                   f"{p.policy}: {len(p.prefill)} prefill and {len(p.decode)} decode endpoints"))
+    for w in plan.warnings:
+        parts.append(Text(f"warning: {w}", style="yellow"))
+    return Group(*parts)
+
+
+def render_view(rendered: Rendered, out_dir: str | None) -> Group:
+    t = Table(title=f"Rendered engines for {rendered.plan.cluster} ({rendered.plan.topology})", title_justify="left")
+    for col in ("engine", "host", "port", "NPUs", "argv"):
+        t.add_column(col, overflow="fold")
+    for e in rendered.engines:
+        t.add_row(e.id, e.host, str(e.port), _ranges(e.devices), " ".join(e.argv[:2]) + f" … ({len(e.argv)} items)")
+    rel = Table(title="Releases (hash of each host's files)", title_justify="left")
+    rel.add_column("host")
+    rel.add_column("release")
+    rel.add_column("files", justify="right")
+    for host, rid in rendered.releases.items():
+        rel.add_row(host, rid, str(len(rendered.files[host])))
+    tail = Text(f"wrote {out_dir}/<host>/ and {out_dir}/render.json" if out_dir else
+                "nothing written: use --out DIR for the files, --output json for the document", style="dim")
+    return Group(t, rel, tail)
+
+
+def topologies_view(topos: list[Topology]) -> Table:
+    t = Table(title="Topology presets", title_justify="left")
+    for col in ("name", "hardware", "mode", "roles", "description"):
+        t.add_column(col, overflow="fold")
+    for topo in topos:
+        roles = ", ".join(f"{r} DP{s.dp}xTP{s.tp}/{s.nodes} host(s)" for r, s in topo.roles.items())
+        t.add_row(topo.name, topo.hardware or "any", topo.mode, roles, topo.description)
+    return t
+
+
+def print_to_stdout(renderable) -> None:
+    import sys
+
+    # Piped output (CI logs) gets a wide fixed width instead of rich's 80 columns.
+    Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160).print(renderable)

@@ -1,0 +1,73 @@
+"""One error tree; each error carries the process exit code the CLI maps it to."""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INVALID = 2
+EXIT_DEGRADED = 3
+
+
+class KimictlError(Exception):
+    """Base of every error kimictl reports to a user (never shown as a traceback)."""
+
+    code = EXIT_FAILED
+
+    def __init__(self, message: str, *, details: list[str] | None = None, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.details = details or []
+        self.hint = hint
+
+    def render(self) -> str:
+        lines = [self.message, *(f"  - {d}" for d in self.details)]
+        if self.hint:
+            lines.append(f"hint: {self.hint}")
+        return "\n".join(lines)
+
+
+class InvalidInput(KimictlError):
+    """Bad user input: usage, inventory, topology, infeasible plan. Nothing was changed."""
+
+    code = EXIT_INVALID
+
+
+class InventoryError(InvalidInput):
+    """The inventory file is unreadable or violates the schema."""
+
+
+class TopologyError(InvalidInput):
+    """The topology preset or file is invalid."""
+
+
+class PlanError(InvalidInput):
+    """The inventory and topology do not make a feasible plan."""
+
+
+class RenderError(KimictlError):
+    """Rendering failed (a template bug, not user input)."""
+
+
+class HostError(KimictlError):
+    """An operation on a host failed; carries host, step and log tail."""
+
+    def __init__(self, message: str, *, host: str | None = None, step: str | None = None,
+                 log_tail: str | None = None, details: list[str] | None = None, hint: str | None = None):
+        super().__init__(message, details=details, hint=hint)
+        self.host = host
+        self.step = step
+        self.log_tail = log_tail
+
+    def render(self) -> str:
+        head = self.message
+        where = ", ".join(p for p in (f"host {self.host}" if self.host else "",
+                                      f"step {self.step}" if self.step else "") if p)
+        if where:
+            head = f"{head} ({where})"
+        out = [head, *(f"  - {d}" for d in self.details)]
+        if self.log_tail:
+            out.append("--- log tail ---")
+            out.append(self.log_tail.rstrip())
+        if self.hint:
+            out.append(f"hint: {self.hint}")
+        return "\n".join(out)

@@ -1,0 +1,411 @@
+"""Inventory: read an Ansible YAML inventory, merge group/host vars like Ansible, validate kimi_* keys."""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from kimictl.errors import InventoryError
+from kimictl.facts import hardware_catalogue
+from kimictl.yamlsrc import LineMap, load_yaml, yaml_type_hint
+
+# --- safe value shapes: nothing a shell or YAML could misread -------------------------------------------
+
+_HOSTNAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62})$")
+_DNS = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_NIC = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,14}$")
+_PATH = re.compile(r"^/[A-Za-z0-9._/+@-]*$")
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,99}$")
+_CLUSTER = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+_URL = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(?::\d+)?(?:/[A-Za-z0-9._~/%+-]*)?$")
+
+
+def _matches(pattern: re.Pattern[str], what: str):
+    def check(v: str) -> str:
+        if not pattern.match(v):
+            raise ValueError(f"'{v}' is not a valid {what}")
+        return v
+
+    return check
+
+
+def _abs_path(v: str) -> str:
+    if not v.startswith("/"):
+        raise ValueError(f"'{v}' must be an absolute path")
+    if not _PATH.match(v):
+        raise ValueError(f"'{v}' has characters outside [A-Za-z0-9._/+@-]")
+    parts = v.split("/")
+    if ".." in parts or "." in parts:
+        raise ValueError(f"'{v}' must not contain '.' or '..' components")
+    return v.rstrip("/") or "/"
+
+
+def _not_root(v: str) -> str:
+    if v == "/":
+        raise ValueError("'/' would let any request read any file on the host; use a dedicated directory")
+    return v
+
+
+def _address(v: str) -> str:
+    try:
+        ipaddress.ip_address(v)
+        return v
+    except ValueError:
+        pass
+    if not _DNS.match(v):
+        raise ValueError(f"'{v}' is neither an IP address nor a DNS name")
+    return v
+
+
+def _hardware(v: str) -> str:
+    known = hardware_catalogue()
+    if v not in known:
+        raise ValueError(f"'{v}' is not a known hardware; expected one of {', '.join(known)}{_dym(v, known)}")
+    return v
+
+
+def _command(v: str) -> str:
+    if not re.match(r"^[A-Za-z0-9._/+@-]+(?: [A-Za-z0-9._/+@=-]+)*$", v):
+        raise ValueError(f"'{v}' must be a command path with optional plain arguments")
+    return v
+
+
+ClusterName = Annotated[str, AfterValidator(_matches(_CLUSTER, "cluster name ([a-z0-9][a-z0-9-]{0,62})"))]
+AbsPath = Annotated[str, AfterValidator(_abs_path)]
+MediaDir = Annotated[str, AfterValidator(_abs_path), AfterValidator(_not_root)]
+ModelId = Annotated[str, AfterValidator(_matches(_MODEL_ID, "model id (owner/name)"))]
+Revision = Annotated[str, AfterValidator(_matches(_REVISION, "revision"))]
+Url = Annotated[str, AfterValidator(_matches(_URL, "http(s) URL"))]
+Nic = Annotated[str, AfterValidator(_matches(_NIC, "network interface name"))]
+Address = Annotated[str, AfterValidator(_address)]
+HardwareName = Annotated[str, AfterValidator(_hardware)]
+Command = Annotated[str, AfterValidator(_command)]
+
+
+def _dym(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+# --- the key table: every kimi_* key, where it may be set ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class Key:
+    scope: Literal["cluster", "host", "both"]
+    help: str
+
+
+KEYS: dict[str, Key] = {
+    "kimi_cluster": Key("cluster", "cluster name, [a-z0-9][a-z0-9-]{0,62} (required)"),
+    "kimi_model_dir": Key("cluster", "absolute checkpoint path on every host (required)"),
+    "kimi_model_source": Key("cluster", "modelscope (default), huggingface or local"),
+    "kimi_model_id": Key("cluster", "hub model id, default Eco-Tech/Kimi-K2.5-W4A8"),
+    "kimi_model_endpoint": Key("cluster", "hub base URL (mirror or the sandbox's fake hub)"),
+    "kimi_model_revision": Key("cluster", "hub revision, default master (ModelScope) / main (HF)"),
+    "kimi_vllm_ascend_version": Key("cluster", "vllm-ascend version profile, default the newest"),
+    "kimi_runtime": Key("cluster", "container (default) or host"),
+    "kimi_proxy_host": Key("cluster", "inventory host that runs the P/D proxy, default the first prefill host"),
+    "kimi_draft_model_dir": Key("cluster", "absolute path of the eagle3 draft checkpoint; enables speculative decoding"),
+    "kimi_media_dir": Key("cluster", "directory engines may read local media from (--allowed-local-media-path)"),
+    "kimi_engine_profile": Key("cluster", "engine profile: ascend (default)"),
+    "kimi_nic": Key("both", "NIC for HCCL/GLOO/TP sockets (required on every host, directly or via all.vars)"),
+    "kimi_state_dir": Key("both", "kimictl state directory on the host, default /var/lib/kimi"),
+    "kimi_engine_command": Key("both", "engine command replacing `vllm` (e.g. a simulator), default vllm"),
+    "kimi_hardware": Key("host", "atlas-800-a2 or atlas-800-a3 (required)"),
+    "kimi_role": Key("host", "prefill or decode: pins the host to a role"),
+    "kimi_device_ips": Key("host", "NPU device IPs, one per NPU"),
+    "kimi_host_ip": Key("host", "business IP for HCCL/vLLM when ansible_host is a DNS name"),
+}
+
+
+class ClusterSettings(BaseModel):
+    """Cluster-wide settings from all.vars."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    kimi_cluster: ClusterName
+    kimi_model_dir: AbsPath
+    kimi_model_source: Literal["modelscope", "huggingface", "local"] = "modelscope"
+    kimi_model_id: ModelId = "Eco-Tech/Kimi-K2.5-W4A8"
+    kimi_model_endpoint: Url | None = None
+    kimi_model_revision: Revision | None = None
+    kimi_vllm_ascend_version: str | None = None
+    kimi_runtime: Literal["container", "host"] = "container"
+    kimi_proxy_host: str | None = None
+    kimi_draft_model_dir: AbsPath | None = None
+    kimi_media_dir: MediaDir = "/var/lib/kimi/media"
+    kimi_engine_profile: Literal["ascend"] = "ascend"
+
+    @property
+    def name(self) -> str:
+        return self.kimi_cluster
+
+    @property
+    def model_revision(self) -> str:
+        if self.kimi_model_revision:
+            return self.kimi_model_revision
+        return "main" if self.kimi_model_source == "huggingface" else "master"
+
+
+class Host(BaseModel):
+    """One inventory host with its merged kimi_* settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str
+    ansible_host: Address
+    kimi_hardware: HardwareName
+    kimi_nic: Nic
+    kimi_role: Literal["prefill", "decode"] | None = None
+    kimi_device_ips: list[Annotated[str, AfterValidator(lambda v: str(ipaddress.ip_address(v)))]] | None = None
+    kimi_host_ip: Annotated[str, AfterValidator(lambda v: str(ipaddress.ip_address(v)))] | None = None
+    kimi_state_dir: AbsPath = "/var/lib/kimi"
+    kimi_engine_command: Command | None = None
+    ansible_vars: dict[str, Any] = Field(default_factory=dict, exclude=True)
+
+    @property
+    def ip(self) -> str:
+        """Business IP: HCCL_IF_IP, VLLM_HOST_IP, the DP master address."""
+        return self.kimi_host_ip or self.ansible_host
+
+    @property
+    def hardware(self):
+        return hardware_catalogue()[self.kimi_hardware]
+
+
+class Inventory(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    path: str
+    cluster: ClusterSettings
+    hosts: list[Host]
+
+    def host(self, name: str) -> Host:
+        for h in self.hosts:
+            if h.name == name:
+                return h
+        raise KeyError(name)
+
+    def limited(self, names: list[str] | None) -> Inventory:
+        """The inventory restricted to `names` (the --limit option)."""
+        if not names:
+            return self
+        known = {h.name for h in self.hosts}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise InventoryError(
+                f"--limit names hosts not in {self.path}: {', '.join(unknown)}"
+                + "".join(_dym(n, known) for n in unknown[:1])
+            )
+        return self.model_copy(update={"hosts": [h for h in self.hosts if h.name in names]})
+
+
+# --- loading --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Origin:
+    line: int
+    where: str  # "all.vars", "group prefill", "host h1"
+
+
+class _Collector:
+    """Walks the group tree and merges vars with Ansible's precedence (deeper groups win, host vars last)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.errors: list[str] = []
+        self.all_vars: dict[str, Any] = {}
+        self.all_origin: dict[str, _Origin] = {}
+        self.host_order: list[str] = []
+        self.host_line: dict[str, int] = {}
+        self.group_vars: dict[str, list[tuple[int, dict[str, Any], dict[str, _Origin]]]] = {}
+        self.host_vars: dict[str, tuple[dict[str, Any], dict[str, _Origin]]] = {}
+
+    def err(self, line: int, msg: str) -> None:
+        self.errors.append(f"{self.path}:{line}: {msg}")
+
+    def walk(self, name: str, group: Any, depth: int, line: int, inherited: list) -> None:
+        if group is None:
+            return
+        if not isinstance(group, LineMap):
+            self.err(line, f"group '{name}' must be a mapping with hosts/vars/children, got {type(group).__name__}")
+            return
+        for key in group:
+            if key not in ("hosts", "vars", "children"):
+                self.err(group.line_of(key), f"group '{name}': unknown section '{key}' (expected hosts, vars, children)"
+                         + _dym(key, ("hosts", "vars", "children")))
+        vars_ = group.get("vars") or LineMap()
+        if not isinstance(vars_, LineMap):
+            self.err(group.line_of("vars"), f"group '{name}': vars must be a mapping")
+            vars_ = LineMap()
+        origins = {k: _Origin(vars_.line_of(k), "all.vars" if name == "all" else f"group {name}") for k in vars_}
+        if name == "all":
+            self.all_vars, self.all_origin = dict(vars_), origins
+            chain = inherited
+        else:
+            chain = [*inherited, (depth, dict(vars_), origins)]
+        hosts = group.get("hosts") or LineMap()
+        if not isinstance(hosts, LineMap):
+            self.err(group.line_of("hosts"), f"group '{name}': hosts must be a mapping of host names")
+            hosts = LineMap()
+        for host, hvars in hosts.items():
+            hline = hosts.line_of(host)
+            if not _HOSTNAME.match(host):
+                self.err(hline, f"host name '{host}' is not safe: use letters, digits, '.', '_' and '-' (max 63)")
+                continue
+            if host not in self.host_line:
+                self.host_order.append(host)
+                self.host_line[host] = hline
+                self.group_vars[host] = []
+                self.host_vars[host] = ({}, {})
+            self.group_vars[host].extend(chain)
+            if hvars is None:
+                continue
+            if not isinstance(hvars, LineMap):
+                self.err(hline, f"host {host}: variables must be a mapping, got {type(hvars).__name__}")
+                continue
+            hv, ho = self.host_vars[host]
+            for k, v in hvars.items():
+                hv[k] = v
+                ho[k] = _Origin(hvars.line_of(k), f"host {host}")
+        children = group.get("children") or LineMap()
+        if not isinstance(children, LineMap):
+            self.err(group.line_of("children"), f"group '{name}': children must be a mapping of groups")
+            return
+        for child, cgroup in children.items():
+            self.walk(child, cgroup, depth + 1, children.line_of(child), chain)
+
+    def merged(self, host: str) -> tuple[dict[str, Any], dict[str, _Origin]]:
+        values: dict[str, Any] = {}
+        origins: dict[str, _Origin] = {}
+        for _, gv, go in sorted(self.group_vars[host], key=lambda t: t[0]):
+            values.update(gv)
+            origins.update(go)
+        hv, ho = self.host_vars[host]
+        values.update(hv)
+        origins.update(ho)
+        return values, origins
+
+
+def _check_key_names(c: _Collector, values: dict[str, Any], origins: dict[str, _Origin], at_all: bool) -> None:
+    for key in values:
+        if not key.startswith("kimi_"):
+            continue
+        o = origins[key]
+        spec = KEYS.get(key)
+        if spec is None:
+            c.err(o.line, f"{o.where}: unknown key '{key}'{_dym(key, KEYS)}")
+        elif spec.scope == "cluster" and not at_all:
+            c.err(o.line, f"{o.where}: '{key}' is cluster-wide; set it under all.vars")
+
+
+def _pydantic_errors(c: _Collector, exc: ValidationError, values: dict, origins: dict[str, _Origin],
+                     fallback_line: int, where: str) -> None:
+    for e in exc.errors():
+        loc = e["loc"]
+        key = str(loc[0]) if loc else ""
+        o = origins.get(key)
+        line = o.line if o else fallback_line
+        value = values.get(key)
+        if e["type"] == "missing":
+            c.err(line, f"{where}: '{key}' is required ({KEYS[key].help if key in KEYS else 'required'})")
+            continue
+        field = ".".join(str(p) for p in loc)
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] in ("string_type", "literal_error", "list_type") and not isinstance(value, str):
+            msg += yaml_type_hint(value if len(loc) == 1 else _dig(value, loc[1:]))
+        c.err(line, f"{where}: {field}: {msg}")
+
+
+def _dig(value: Any, loc: tuple) -> Any:
+    for p in loc:
+        try:
+            value = value[p]
+        except (KeyError, IndexError, TypeError):
+            return value
+    return value
+
+
+def load_inventory(path: Path | str) -> Inventory:
+    """Read and validate an inventory; raise InventoryError listing every problem with file:line."""
+    path = Path(path)
+    doc = load_yaml(path, "inventory")
+    c = _Collector(path)
+    if not isinstance(doc, LineMap) or not doc:
+        raise InventoryError(f"{path}: an inventory is a YAML mapping of groups, starting with 'all:'")
+    for name, group in doc.items():
+        c.walk(name, group, 0 if name == "all" else 1, doc.line_of(name), [])
+    if not c.host_order:
+        c.err(1, "no hosts: list them under all.hosts (or a child group's hosts)")
+        raise InventoryError(f"invalid inventory {path}", details=c.errors)
+
+    _check_key_names(c, c.all_vars, c.all_origin, at_all=True)
+    cluster_values = {k: v for k, v in c.all_vars.items() if KEYS.get(k, Key("host", "")).scope == "cluster"}
+    cluster: ClusterSettings | None = None
+    try:
+        cluster = ClusterSettings(**cluster_values)
+    except ValidationError as exc:
+        _pydantic_errors(c, exc, cluster_values, c.all_origin, doc.line_of("all"), "all.vars")
+
+    hosts: list[Host] = []
+    for name in c.host_order:
+        values, origins = c.merged(name)
+        _check_key_names(c, {k: v for k, v in values.items() if origins[k].where != "all.vars"}, origins, False)
+        for k, v in c.all_vars.items():
+            if KEYS.get(k) and KEYS[k].scope in ("both", "host"):
+                values.setdefault(k, v)
+                origins.setdefault(k, c.all_origin[k])
+        fields = {k: v for k, v in values.items() if k in KEYS and KEYS[k].scope in ("host", "both")}
+        fields["ansible_host"] = values.get("ansible_host", name)
+        origins.setdefault("ansible_host", _Origin(c.host_line[name], f"host {name}"))
+        extra = {k: v for k, v in values.items() if not k.startswith("kimi_")}
+        try:
+            hosts.append(Host(name=name, ansible_vars=extra, **fields))
+        except ValidationError as exc:
+            _pydantic_errors(c, exc, fields, origins, c.host_line[name], f"host {name}")
+
+    if cluster is not None and hosts:
+        _cross_checks(c, cluster, hosts)
+    if c.errors:
+        raise InventoryError(f"invalid inventory {path} ({len(c.errors)} problem(s))", details=c.errors)
+    assert cluster is not None
+    return Inventory(path=str(path), cluster=cluster, hosts=hosts)
+
+
+def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) -> None:
+    seen_addr: dict[str, str] = {}
+    seen_dev: dict[str, str] = {}
+    for h in hosts:
+        line = c.host_line[h.name]
+        key = f"{h.ansible_host}:{h.ansible_vars.get('ansible_port', 22)}"
+        if key in seen_addr:
+            c.err(line, f"host {h.name}: ansible_host {h.ansible_host} is also host {seen_addr[key]}")
+        seen_addr.setdefault(key, h.name)
+        try:
+            ipaddress.ip_address(h.ansible_host)
+        except ValueError:
+            if not h.kimi_host_ip:
+                c.err(line, f"host {h.name}: ansible_host '{h.ansible_host}' is a DNS name; set kimi_host_ip to "
+                            "its business IP (HCCL_IF_IP and the DP master address need an IP)")
+        if h.kimi_device_ips is not None:
+            want = h.hardware.npus
+            if len(h.kimi_device_ips) != want:
+                c.err(line, f"host {h.name}: kimi_device_ips has {len(h.kimi_device_ips)} addresses; "
+                            f"{h.kimi_hardware} has {want} NPUs, one device IP each")
+            for ip in h.kimi_device_ips:
+                if ip in seen_dev:
+                    c.err(line, f"host {h.name}: device IP {ip} is also used by {seen_dev[ip]}")
+                seen_dev.setdefault(ip, h.name)
+    names = [h.name for h in hosts]
+    if cluster.kimi_proxy_host and cluster.kimi_proxy_host not in names:
+        c.err(c.all_origin["kimi_proxy_host"].line, f"all.vars: kimi_proxy_host '{cluster.kimi_proxy_host}' is not an inventory host"
+                 + _dym(cluster.kimi_proxy_host, names))

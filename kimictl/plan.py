@@ -1,0 +1,500 @@
+"""Planner: hosts -> roles and instances, DP ranks, devices, ports, kv_ports, switches and the HBM fit."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from kimictl.errors import PlanError
+from kimictl.facts import (
+    EP_PARTS,
+    GIB,
+    MIB,
+    REPLICATED_PARTS,
+    TP_PARTS,
+    Hardware,
+    VersionProfile,
+    model_facts,
+    switch_rules,
+    version_profile,
+)
+from kimictl.inventory import Host, Inventory
+from kimictl.topology import Topology
+
+HCCL_DEFAULT_BUFFSIZE_MIB = 200  # HCCL's own default when HCCL_BUFFSIZE is unset
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class MemoryFit(_Model):
+    """Per-NPU HBM estimate for one role (every NPU of an instance carries the same load)."""
+
+    role: str
+    dp: int
+    tp: int
+    ep: int
+    hbm_gib: float
+    gpu_memory_utilization: float
+    usable_gib: float
+    weights_gib: dict[str, float]
+    weights_total_gib: float
+    reserve_gib: float
+    activation_gib: float
+    draft_gib: float
+    kv_cache_gib: float
+    kv_bytes_per_token: int
+    kv_tokens_per_dp_rank: int
+    max_model_len: int
+    max_seqs_per_dp_rank: int
+    fits: bool
+    reason: str = ""
+
+
+class SwitchDecision(_Model):
+    role: str
+    switch: str
+    state: Literal["on", "off", "skipped"]
+    spelled: str  # "env VLLM_ASCEND_ENABLE_MLAPO=1" / "additional-config enable_mlapo=true" / ""
+    why: str
+    note: str = ""
+
+
+class Instance(_Model):
+    role: str
+    index: int
+    name: str  # prefill-0
+    hosts: list[str]
+    dp: int
+    tp: int
+    ep: int
+    master_host: str
+    master_ip: str
+    rpc_port: int
+    kv_port: int | None
+    engine_id: str | None
+
+
+class Engine(_Model):
+    id: str
+    host: str
+    host_ip: str
+    role: str
+    instance: str
+    dp_ranks: list[int]
+    dp_size: int
+    tp_size: int
+    devices: list[int]
+    port: int
+    serves_http: bool
+    headless: bool
+
+
+class Endpoint(_Model):
+    host: str
+    ip: str
+    port: int
+    engine: str
+
+
+class ProxyPlan(_Model):
+    host: str
+    ip: str
+    port: int
+    router: str
+    policy: str
+    prefill: list[Endpoint]
+    decode: list[Endpoint]
+
+
+class PortUse(_Model):
+    host: str
+    first: int
+    last: int
+    what: str
+
+
+class RoleConfig(_Model):
+    """Resolved per-role settings shared by every engine of that role."""
+
+    env: dict[str, str]
+    env_prepend: dict[str, str]
+    additional_config: dict[str, Any]
+    serve: dict[str, Any]
+
+
+class Plan(_Model):
+    cluster: str
+    topology: str
+    topology_source: str
+    vllm_ascend_version: str
+    image: str
+    hardware: str
+    mode: str
+    launch: str
+    runtime: str
+    model_dir: str
+    served_model_name: str
+    host_roles: dict[str, str]
+    instances: list[Instance]
+    engines: list[Engine]
+    proxy: ProxyPlan | None
+    role_config: dict[str, RoleConfig]
+    fits: dict[str, MemoryFit]
+    switches: list[SwitchDecision]
+    ports: list[PortUse]
+    warnings: list[str]
+
+    def engines_on(self, host: str) -> list[Engine]:
+        return [e for e in self.engines if e.host == host]
+
+    def instance(self, name: str) -> Instance:
+        return next(i for i in self.instances if i.name == name)
+
+
+# --- HBM fit ---------------------------------------------------------------------------------------------
+
+
+def memory_fit(role: str, hw: Hardware, dp: int, tp: int, serve: dict[str, Any], env: dict[str, str],
+               with_draft: bool) -> MemoryFit:
+    """Estimate per-NPU bytes for weights, reserve and KV cache; label: estimate."""
+    m = model_facts()
+    ep = dp * tp if serve.get("enable-expert-parallel") else 1
+    expert_div = ep if ep > 1 else tp
+    parts = m.parts
+    per_npu = {k: parts[k] / expert_div for k in EP_PARTS}
+    per_npu.update({k: parts[k] / tp for k in TP_PARTS})
+    per_npu.update({k: float(parts[k]) for k in REPLICATED_PARTS})
+    weights = sum(per_npu.values())
+    util = float(serve.get("gpu-memory-utilization", 0.9))
+    usable = hw.hbm_bytes * util
+    buff = int(env.get("HCCL_BUFFSIZE", HCCL_DEFAULT_BUFFSIZE_MIB))
+    reserve = m.runtime_reserve_mib * MIB + m.hccl_buffers * buff * MIB
+    activation = int(serve.get("max-num-batched-tokens", 8192)) * m.activation_bytes_per_token
+    draft = m.draft_model_gib * GIB if with_draft else 0.0
+    kv = usable - weights - reserve - activation - draft
+    max_len = int(serve.get("max-model-len", m.text.max_position_embeddings))
+    tokens = max(0, int(kv // m.kv_bytes_per_token))
+    reason = ""
+    if kv <= 0:
+        reason = (f"weights {weights / GIB:.1f} GiB + reserve {(reserve + activation + draft) / GIB:.1f} GiB per NPU "
+                  f"exceed the usable {usable / GIB:.1f} GiB ({hw.hbm_mib // 1024} GiB x {util:.2f})")
+    elif tokens < max_len:
+        reason = (f"KV cache holds {tokens} tokens per DP rank, less than one sequence of max-model-len {max_len}")
+    return MemoryFit(
+        role=role, dp=dp, tp=tp, ep=ep,
+        hbm_gib=round(hw.hbm_bytes / GIB, 2), gpu_memory_utilization=util, usable_gib=round(usable / GIB, 2),
+        weights_gib={k: round(v / GIB, 3) for k, v in per_npu.items()},
+        weights_total_gib=round(weights / GIB, 2), reserve_gib=round(reserve / GIB, 2),
+        activation_gib=round(activation / GIB, 2), draft_gib=round(draft / GIB, 2),
+        kv_cache_gib=round(max(kv, 0) / GIB, 2), kv_bytes_per_token=m.kv_bytes_per_token,
+        kv_tokens_per_dp_rank=tokens, max_model_len=max_len, max_seqs_per_dp_rank=tokens // max_len,
+        fits=not reason, reason=reason,
+    )
+
+
+# --- host assignment -------------------------------------------------------------------------------------
+
+
+def _hardware_of(inv: Inventory, topo: Topology) -> Hardware:
+    kinds = {h.kimi_hardware for h in inv.hosts}
+    if topo.hardware:
+        wrong = [h for h in inv.hosts if h.kimi_hardware != topo.hardware]
+        if wrong:
+            raise PlanError(
+                f"topology {topo.name} runs on {topo.hardware} hosts only",
+                details=[f"host {h.name}: kimi_hardware is {h.kimi_hardware}" for h in wrong],
+                hint="use the matching preset (a2-* for Atlas 800 A2, a3-* for A3) or fix kimi_hardware",
+            )
+    elif len(kinds) > 1:
+        raise PlanError(
+            "hosts mix hardware kinds (" + ", ".join(sorted(kinds)) + "); one deployment uses one kind "
+            "(vllm-ascend does not support P on A2 with D on A3)")
+    return inv.hosts[0].hardware
+
+
+def _split_counts(topo: Topology, total: int, pinned: dict[str, int]) -> dict[str, int] | None:
+    """Instances per role that use every host exactly once, closest to the preset's share."""
+    roles = list(topo.roles)
+    if len(roles) == 1:
+        n = topo.roles[roles[0]].nodes
+        return {roles[0]: total // n} if total % n == 0 and total >= n else None
+    np_, nd = topo.roles["prefill"].nodes, topo.roles["decode"].nodes
+    sp, sd = topo.share.get("prefill", 1), topo.share.get("decode", 1)
+    best: tuple[float, int, dict[str, int]] | None = None
+    for ip in range(1, total // np_ + 1):
+        rest = total - ip * np_
+        if rest <= 0 or rest % nd:
+            continue
+        idd = rest // nd
+        if pinned.get("prefill", 0) > ip * np_ or pinned.get("decode", 0) > idd * nd:
+            continue
+        score = abs(ip / (ip + idd) - sp / (sp + sd))
+        key = (score, -ip)  # on a tie prefer more prefill (the source article's 2P1D)
+        if best is None or key < best[:2]:
+            best = (score, -ip, {"prefill": ip, "decode": idd})
+    return best[2] if best else None
+
+
+def _assign(inv: Inventory, topo: Topology, hw: Hardware) -> dict[str, list[list[Host]]]:
+    if topo.mode == "colocated":
+        pinned_wrong = [h for h in inv.hosts if h.kimi_role]
+        if pinned_wrong:
+            raise PlanError(
+                f"topology {topo.name} is colocated (no prefill/decode split)",
+                details=[f"host {h.name}: kimi_role {h.kimi_role} has no meaning here" for h in pinned_wrong],
+                hint="remove kimi_role, or use a P/D topology (a2-pd, a3-pd)")
+    pinned = {r: sum(1 for h in inv.hosts if h.kimi_role == r) for r in ("prefill", "decode")}
+    counts = _split_counts(topo, len(inv.hosts), pinned)
+    if counts is None:
+        raise _host_count_error(inv, topo, hw, pinned)
+    pools: dict[str, list[Host]] = {r: [h for h in inv.hosts if h.kimi_role == r] for r in topo.roles}
+    free = [h for h in inv.hosts if not h.kimi_role]
+    for role in topo.roles:  # prefill first, then decode
+        need = counts[role] * topo.roles[role].nodes - len(pools[role])
+        pools[role].extend(free[:need])
+        free = free[need:]
+    groups: dict[str, list[list[Host]]] = {}
+    for role, hosts in pools.items():
+        n = topo.roles[role].nodes
+        groups[role] = [hosts[i * n:(i + 1) * n] for i in range(counts[role])]
+    return groups
+
+
+def _host_count_error(inv: Inventory, topo: Topology, hw: Hardware, pinned: dict[str, int]) -> PlanError:
+    need = " + ".join(f"{r} instances of {topo.roles[r].nodes} host(s)" for r in topo.roles)
+    details = [f"the inventory has {len(inv.hosts)} host(s)"
+               + (f", pinned: {pinned['prefill']} prefill, {pinned['decode']} decode" if any(pinned.values()) else "")]
+    minimum = sum(r.nodes for r in topo.roles.values())
+    if len(inv.hosts) < minimum:
+        # Show why the instances cannot simply shrink onto fewer hosts: the per-NPU numbers on one host.
+        for role, spec in topo.roles.items():
+            if spec.nodes <= 1:
+                continue
+            dp1 = max(1, hw.npus // spec.tp)
+            fit = memory_fit(role, hw, dp1, spec.tp, topo.role_serve(role), {**topo.env, **spec.env}, False)
+            details.append(
+                f"{role} on one {hw.name} host (DP{dp1}xTP{spec.tp}, EP{fit.ep}) would need "
+                f"{fit.weights_total_gib:.1f} GiB of weights per NPU (routed experts "
+                f"{fit.weights_gib['routed_experts']:.1f} GiB) + {fit.reserve_gib + fit.activation_gib:.1f} GiB "
+                f"reserve; usable is {fit.usable_gib:.1f} GiB ({fit.hbm_gib:.0f} GiB x "
+                f"{fit.gpu_memory_utilization:.2f}): " + ("fits" if fit.fits else "does not fit"))
+    return PlanError(
+        f"topology {topo.name} cannot use these {len(inv.hosts)} {hw.name} host(s): it needs {need}, "
+        f"every host used exactly once (at least {minimum} hosts)",
+        details=details,
+        hint="add hosts, change kimi_role pins, or pick another topology (`kimictl topologies`)")
+
+
+# --- switches and per-role config ------------------------------------------------------------------------
+
+
+def _resolve_switches(topo: Topology, role: str, hw: Hardware, ep: int, tp: int, ver: VersionProfile,
+                      env: dict[str, str], extra: dict[str, Any], decisions: list[SwitchDecision],
+                      warnings: list[str]) -> None:
+    rules = switch_rules()
+    for name, wanted in topo.roles[role].switches.items():  # type: ignore[index]
+        rule = rules[name]
+        spelling = ver.switches.get(name)
+        if spelling is None:
+            raise PlanError(f"role {role}: switch {name} is not available in vllm-ascend {ver.version}")
+        if wanted and role not in rule.roles:
+            raise PlanError(
+                f"role {role}: switch {name} is for {', '.join(rule.roles)} only",
+                details=[rule.why], hint=f"set {name}: false or remove it from roles.{role}.switches")
+        skip = ""
+        if wanted and rule.hardware and hw.name not in rule.hardware:
+            skip = f"{hw.name} is not {', '.join(rule.hardware)}"
+        elif wanted and rule.max_ep and ep > rule.max_ep:
+            skip = f"EP {ep} > {rule.max_ep}"
+        elif wanted and rule.min_tp and tp < rule.min_tp:
+            skip = f"TP {tp} < {rule.min_tp}"
+        value = spelling.value if wanted else spelling.off_value
+        if skip:
+            decisions.append(SwitchDecision(role=role, switch=name, state="skipped", spelled="", why=rule.why,
+                                            note=f"{skip}: {rule.off_note or 'not rendered'}"))
+            warnings.append(f"{role}: switch {name} skipped ({skip})")
+            continue
+        if value is None:
+            decisions.append(SwitchDecision(role=role, switch=name, state="off", spelled="(left unset)", why=rule.why))
+            continue
+        if spelling.env:
+            env[spelling.env] = str(value)
+            spelled = f"env {spelling.env}={value}"
+        else:
+            extra[spelling.additional_config] = value  # type: ignore[index]
+            spelled = f"additional-config {spelling.additional_config}={_json_scalar(value)}"
+        decisions.append(SwitchDecision(role=role, switch=name, state="on" if wanted else "off", spelled=spelled,
+                                        why=rule.why))
+
+
+def _json_scalar(v: Any) -> str:
+    import json
+
+    return json.dumps(v)
+
+
+def _role_config(topo: Topology, role: str, hw: Hardware, ver: VersionProfile, ep: int,
+                 decisions: list[SwitchDecision], warnings: list[str]) -> RoleConfig:
+    spec = topo.roles[role]  # type: ignore[index]
+    env = dict(ver.env)
+    env.update(topo.env)
+    env.update(spec.env)
+    for key in [*topo.env, *spec.env]:
+        if key in ver.removed_env:
+            raise PlanError(f"role {role}: env {key} is not valid for vllm-ascend {ver.version}: "
+                            f"{ver.removed_env[key]}")
+    serve = topo.role_serve(role)
+    extra = dict(serve.pop("additional-config", None) or {})
+    for key in extra:
+        if key in ver.removed_additional_config:
+            raise PlanError(f"role {role}: additional-config key {key} is not valid for vllm-ascend "
+                            f"{ver.version}: {ver.removed_additional_config[key]}")
+    _resolve_switches(topo, role, hw, ep, spec.tp, ver, env, extra, decisions, warnings)
+    if role == "prefill" and serve.get("max-num-seqs") and "enforce-eager" not in serve:
+        warnings.append("prefill: no --enforce-eager; every vllm-ascend P/D guide runs prefill eager")
+    return RoleConfig(env=env, env_prepend=dict(ver.env_prepend), additional_config=extra, serve=serve)
+
+
+# --- the planner -----------------------------------------------------------------------------------------
+
+
+class _Ports:
+    def __init__(self) -> None:
+        self.uses: list[PortUse] = []
+
+    def take(self, host: str, first: int, last: int, what: str) -> None:
+        if last > 65535:
+            raise PlanError(f"host {host}: {what} needs ports {first}-{last}, beyond 65535")
+        for u in self.uses:
+            if u.host == host and first <= u.last and u.first <= last:
+                raise PlanError(f"host {host}: {what} (ports {first}-{last}) collides with {u.what} "
+                                f"(ports {u.first}-{u.last})", hint="change ports in the topology")
+        self.uses.append(PortUse(host=host, first=first, last=last, what=what))
+
+
+def make_plan(inv: Inventory, topo: Topology) -> Plan:
+    """Compile inventory + topology into a plan; raise PlanError (exit 2) when it cannot work."""
+    ver = version_profile(inv.cluster.kimi_vllm_ascend_version)
+    hw = _hardware_of(inv, topo)
+    warnings: list[str] = []
+    decisions: list[SwitchDecision] = []
+    with_draft = bool(topo.speculative and inv.cluster.kimi_draft_model_dir)
+
+    # Per-role shape checks and HBM fit.
+    fits: dict[str, MemoryFit] = {}
+    role_cfg: dict[str, RoleConfig] = {}
+    for role, spec in topo.roles.items():
+        if spec.dp % spec.nodes:
+            raise PlanError(f"role {role}: DP {spec.dp} does not split evenly over {spec.nodes} hosts")
+        per_node = spec.dp // spec.nodes * spec.tp
+        if per_node > hw.npus:
+            raise PlanError(f"role {role}: DP{spec.dp}xTP{spec.tp} over {spec.nodes} host(s) needs {per_node} NPUs "
+                            f"per host; {hw.name} has {hw.npus}")
+        serve = topo.role_serve(role)
+        ep = spec.dp * spec.tp if serve.get("enable-expert-parallel") else 1
+        role_cfg[role] = _role_config(topo, role, hw, ver, ep, decisions, warnings)
+        fit = memory_fit(role, hw, spec.dp, spec.tp, role_cfg[role].serve, role_cfg[role].env, with_draft)
+        fits[role] = fit
+        if not fit.fits:
+            raise PlanError(
+                f"role {role} does not fit in HBM (estimate): {fit.reason}",
+                details=_fit_lines(fit), hint="use more NPUs per instance (larger DP x TP, more hosts) "
+                "or lower max-model-len")
+        if per_node < hw.npus:
+            warnings.append(f"{role}: uses {per_node} of {hw.npus} NPUs per host")
+    if topo.mode == "pd":
+        p, d = topo.roles["prefill"], topo.roles["decode"]
+        if p.tp < d.tp or p.tp % d.tp:
+            raise PlanError(f"prefill TP {p.tp} must be >= decode TP {d.tp} and divisible by it "
+                            "(MooncakeConnectorV1 pulls KV from P TP ranks into D TP ranks)")
+
+    groups = _assign(inv, topo, hw)
+    ports = _Ports()
+    instances: list[Instance] = []
+    engines: list[Engine] = []
+    host_roles: dict[str, str] = {}
+    kv_next = topo.ports.kv_base or hw.kv_port_min
+    if kv_next < hw.kv_port_min:
+        warnings.append(f"kv_base {kv_next} is inside AscendDirectTransport's random range on {hw.name} "
+                        f"(use >= {hw.kv_port_min}); expect 'Address already in use'")
+    for role, role_groups in groups.items():
+        spec = topo.roles[role]  # type: ignore[index]
+        per_node = spec.dp // spec.nodes
+        for idx, hosts in enumerate(role_groups):
+            name = f"{role}-{idx}"
+            master = hosts[0]
+            ep = fits[role].ep
+            kv_port = engine_id = None
+            if topo.mode == "pd":
+                width = spec.dp * spec.tp
+                kv_port, engine_id = kv_next, name
+                kv_next += math.ceil(width / 100) * 100
+                for h in hosts:
+                    ports.take(h.name, kv_port, kv_port + width - 1, f"{name} kv_port range")
+            ports.take(master.name, topo.ports.rpc, topo.ports.rpc, f"{name} data-parallel-rpc-port")
+            instances.append(Instance(role=role, index=idx, name=name, hosts=[h.name for h in hosts], dp=spec.dp,
+                                      tp=spec.tp, ep=ep, master_host=master.name, master_ip=master.ip,
+                                      rpc_port=topo.ports.rpc, kv_port=kv_port, engine_id=engine_id))
+            for k, h in enumerate(hosts):
+                host_roles[h.name] = role
+                ranks = list(range(k * per_node, (k + 1) * per_node))
+                if topo.launch == "external-dp":
+                    for i, r in enumerate(ranks):
+                        port = topo.ports.http_base + i
+                        ports.take(h.name, port, port, f"{name}-dp{r} HTTP")
+                        engines.append(Engine(
+                            id=f"{name}-dp{r}", host=h.name, host_ip=h.ip, role=role, instance=name,
+                            dp_ranks=[r], dp_size=spec.dp, tp_size=spec.tp,
+                            devices=list(range(i * spec.tp, (i + 1) * spec.tp)), port=port,
+                            serves_http=True, headless=False))
+                else:
+                    port = topo.ports.http_base
+                    if k == 0:
+                        ports.take(h.name, port, port, f"{name} HTTP")
+                    engines.append(Engine(
+                        id=f"{name}-n{k}", host=h.name, host_ip=h.ip, role=role, instance=name, dp_ranks=ranks,
+                        dp_size=spec.dp, tp_size=spec.tp, devices=list(range(per_node * spec.tp)), port=port,
+                        serves_http=k == 0, headless=k > 0))
+
+    proxy = None
+    if topo.mode == "pd" and topo.proxy:
+        phost = inv.host(inv.cluster.kimi_proxy_host) if inv.cluster.kimi_proxy_host else \
+            inv.host(groups["prefill"][0][0].name)
+        ports.take(phost.name, topo.proxy.port, topo.proxy.port, "P/D proxy")
+
+        def endpoints(role: str) -> list[Endpoint]:
+            return [Endpoint(host=e.host, ip=e.host_ip, port=e.port, engine=e.id)
+                    for e in engines if e.role == role and e.serves_http]
+
+        proxy = ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=topo.proxy.router,
+                          policy=topo.proxy.policy, prefill=endpoints("prefill"), decode=endpoints("decode"))
+
+    m = model_facts()
+    return Plan(
+        cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,
+        vllm_ascend_version=ver.version, image=ver.image(hw), hardware=hw.name, mode=topo.mode,
+        launch=topo.launch, runtime=inv.cluster.kimi_runtime, model_dir=inv.cluster.kimi_model_dir,
+        served_model_name=m.served_model_name, host_roles=host_roles, instances=instances, engines=engines,
+        proxy=proxy, role_config=role_cfg, fits=fits, switches=decisions, ports=ports.uses, warnings=warnings,
+    )
+
+
+def _fit_lines(fit: MemoryFit) -> list[str]:
+    w = ", ".join(f"{k} {v:.2f}" for k, v in fit.weights_gib.items())
+    return [
+        f"DP{fit.dp} x TP{fit.tp}, EP{fit.ep}; HBM {fit.hbm_gib:.0f} GiB x {fit.gpu_memory_utilization:.2f} = "
+        f"{fit.usable_gib:.1f} GiB usable per NPU",
+        f"weights per NPU {fit.weights_total_gib:.2f} GiB ({w})",
+        f"reserve {fit.reserve_gib:.2f} GiB, activations {fit.activation_gib:.2f} GiB, draft {fit.draft_gib:.2f} GiB",
+        f"KV cache {fit.kv_cache_gib:.2f} GiB = {fit.kv_tokens_per_dp_rank} tokens per DP rank "
+        f"({fit.kv_bytes_per_token} B/token)",
+    ]
+
+
+def fit_lines(fit: MemoryFit) -> list[str]:
+    """Human-readable lines of one role's HBM estimate."""
+    return _fit_lines(fit)

@@ -1,0 +1,324 @@
+"""Renderer: per-engine argv/env, kv-transfer JSON, container spec and proxy command, written from templates."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from kimictl.errors import RenderError
+from kimictl.facts import hardware_catalogue, version_profile
+from kimictl.inventory import Inventory
+from kimictl.plan import Engine, Plan
+from kimictl.resources import templates_dir
+from kimictl.topology import Topology
+
+RENDER_SCHEMA_VERSION = 1
+ASCEND_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
+# Host paths the vllm-ascend docs bind into every container (vllm-ascend.md §2), read-only.
+ASCEND_MOUNTS = (
+    "/usr/local/dcmi",
+    "/usr/local/Ascend/driver/tools/hccn_tool",
+    "/usr/local/bin/npu-smi",
+    "/usr/local/Ascend/driver/lib64",
+    "/usr/local/Ascend/driver/version.info",
+    "/etc/ascend_install.info",
+)
+
+
+class RenderedEngine(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    host: str
+    ip: str
+    role: str
+    instance: str
+    dp_ranks: list[int]
+    dp_size: int
+    tp_size: int
+    devices: list[int]
+    port: int
+    serves_http: bool
+    argv: list[str]
+    env: dict[str, str]
+    env_prepend: dict[str, str]
+
+
+class RenderedProxy(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    host: str
+    host_name: str
+    port: int
+    router: str
+    prefill: list[dict[str, Any]]
+    decode: list[dict[str, Any]]
+    argv: list[str]
+
+
+class Rendered(BaseModel):
+    """Everything `render` produces: the CONTRACT document plus the files per host."""
+
+    model_config = ConfigDict(frozen=True)
+
+    plan: Plan
+    engines: list[RenderedEngine]
+    proxy: RenderedProxy | None
+    files: dict[str, dict[str, str]]  # host -> relative path -> content
+    releases: dict[str, str]  # host -> release id (hash of that host's files)
+
+    def contract(self) -> dict[str, Any]:
+        """`render --output json` (schema_version 1, see CONTRACT.md)."""
+        p = self.plan
+        return {
+            "schema_version": RENDER_SCHEMA_VERSION,
+            "cluster": p.cluster,
+            "topology": p.topology,
+            "vllm_ascend_version": p.vllm_ascend_version,
+            "image": p.image,
+            "runtime": p.runtime,
+            "engines": [
+                {"id": e.id, "host": e.host, "ip": e.ip, "role": e.role, "instance": e.instance,
+                 "dp_ranks": e.dp_ranks, "dp_size": e.dp_size, "tp_size": e.tp_size, "devices": e.devices,
+                 "port": e.port, "serves_http": e.serves_http, "argv": e.argv, "env": e.env,
+                 "env_prepend": e.env_prepend}
+                for e in self.engines
+            ],
+            "proxy": None if self.proxy is None else {
+                "host": self.proxy.host, "host_name": self.proxy.host_name, "port": self.proxy.port,
+                "router": self.proxy.router, "prefill": self.proxy.prefill, "decode": self.proxy.decode,
+                "argv": self.proxy.argv,
+            },
+            "releases": self.releases,
+        }
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _flag_items(serve: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for flag, value in serve.items():
+        if value is True:
+            out.append(f"--{flag}")
+        elif isinstance(value, (dict, list)):
+            out += [f"--{flag}", _json(value)]
+        elif value is None or value is False:
+            continue
+        else:
+            out += [f"--{flag}", str(value)]
+    return out
+
+
+def kv_transfer_config(plan: Plan, e: Engine) -> dict[str, Any] | None:
+    """MooncakeConnectorV1 JSON: kv_port/engine_id per DP group, extra config with both sides' real sizes."""
+    if plan.mode != "pd":
+        return None
+    inst = plan.instance(e.instance)
+    ver = version_profile(plan.vllm_ascend_version)
+    sizes = {r: {"dp_size": plan.fits[r].dp, "tp_size": plan.fits[r].tp} for r in ("prefill", "decode")}
+    cfg: dict[str, Any] = {
+        "kv_connector": ver.kv_connector,
+        "kv_role": "kv_producer" if e.role == "prefill" else "kv_consumer",
+        "kv_port": str(inst.kv_port),
+        "engine_id": inst.engine_id,
+    }
+    if ver.kv_connector_module_path:
+        cfg["kv_connector_module_path"] = ver.kv_connector_module_path
+    cfg["kv_connector_extra_config"] = sizes
+    return cfg
+
+
+def engine_argv(plan: Plan, inv: Inventory, topo: Topology, e: Engine) -> list[str]:
+    """The whole `vllm serve` line of one engine process."""
+    host = inv.host(e.host)
+    inst = plan.instance(e.instance)
+    cfg = plan.role_config[e.role]
+    cmd = shlex.split(host.kimi_engine_command or "vllm")
+    argv = [*cmd, "serve", plan.model_dir, "--host", "0.0.0.0", "--port", str(e.port)]
+    argv += ["--data-parallel-size", str(e.dp_size)]
+    if plan.launch == "external-dp":
+        argv += ["--data-parallel-rank", str(e.dp_ranks[0])]
+    else:
+        argv += ["--data-parallel-size-local", str(len(e.dp_ranks))]
+        if e.headless:
+            argv += ["--headless", "--data-parallel-start-rank", str(e.dp_ranks[0])]
+    argv += ["--data-parallel-address", inst.master_ip, "--data-parallel-rpc-port", str(inst.rpc_port)]
+    argv += ["--tensor-parallel-size", str(e.tp_size), "--served-model-name", plan.served_model_name]
+    argv += _flag_items(cfg.serve)
+    argv += ["--allowed-local-media-path", inv.cluster.kimi_media_dir]
+    if cfg.additional_config:
+        argv += ["--additional-config", _json(cfg.additional_config)]
+    if topo.speculative and inv.cluster.kimi_draft_model_dir:
+        tokens = topo.speculative.num_speculative_tokens.get(e.role)  # type: ignore[call-overload]
+        if tokens:
+            argv += ["--speculative-config", _json({"method": topo.speculative.method,
+                                                    "model": inv.cluster.kimi_draft_model_dir,
+                                                    "num_speculative_tokens": tokens})]
+    kv = kv_transfer_config(plan, e)
+    if kv:
+        argv += ["--kv-transfer-config", _json(kv)]
+    return argv
+
+
+def engine_env(plan: Plan, inv: Inventory, e: Engine) -> dict[str, str]:
+    host = inv.host(e.host)
+    env = dict(plan.role_config[e.role].env)
+    nic = host.kimi_nic
+    env.update({
+        "HCCL_IF_IP": host.ip,
+        "GLOO_SOCKET_IFNAME": nic,
+        "TP_SOCKET_IFNAME": nic,
+        "HCCL_SOCKET_IFNAME": nic,
+        "VLLM_HOST_IP": host.ip,
+        "ASCEND_RT_VISIBLE_DEVICES": ",".join(str(d) for d in e.devices),
+    })
+    return dict(sorted(env.items()))
+
+
+def container_spec(plan: Plan, inv: Inventory, e: Engine) -> dict[str, Any]:
+    hw = hardware_catalogue()[plan.hardware]
+    c = inv.cluster
+    mounts = [(p, p, "ro") for p in ASCEND_MOUNTS]
+    if plan.mode == "pd":
+        mounts.append(("/etc/hccn.conf", "/etc/hccn.conf", "ro"))
+    mounts.append((c.kimi_model_dir, c.kimi_model_dir, "ro"))
+    if c.kimi_draft_model_dir:
+        mounts.append((c.kimi_draft_model_dir, c.kimi_draft_model_dir, "ro"))
+    mounts.append((c.kimi_media_dir, c.kimi_media_dir, "ro"))
+    return {
+        "name": f"kimi-{plan.cluster}-{e.id}",
+        "image": plan.image,
+        "shm_size": "1g",
+        "devices": [f"/dev/davinci{i}" for i in range(hw.npus)] + list(ASCEND_CONTROL_DEVICES),
+        "mounts": mounts,
+    }
+
+
+def proxy_argv(plan: Plan) -> list[str]:
+    p = plan.proxy
+    assert p is not None
+    argv = ["vllm-router", "--host", "0.0.0.0", "--port", str(p.port), "--policy", p.policy,
+            "--vllm-pd-disaggregation"]
+    for ep in p.prefill:
+        argv += ["--prefill", f"http://{ep.ip}:{ep.port}"]
+    for ep in p.decode:
+        argv += ["--decode", f"http://{ep.ip}:{ep.port}"]
+    return argv
+
+
+@functools.cache
+def _jinja():
+    import jinja2
+
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        autoescape=False,  # noqa: S701 - shell and env files, quoted by the `sh` filter
+    )
+    env.filters["sh"] = lambda v: shlex.quote(str(v))
+    env.filters["argv_lines"] = argv_lines
+    return env
+
+
+def argv_lines(argv: list[str]) -> str:
+    """Quote an argv for a script, one flag (with its value) per continued line."""
+    lines: list[list[str]] = []
+    for i, item in enumerate(argv):
+        if i == 0 or (item.startswith("--") and i > 2):
+            lines.append([])
+        lines[-1].append(shlex.quote(item))
+    return " \\\n  ".join(" ".join(line) for line in lines)
+
+
+def _template(name: str, **ctx: Any) -> str:
+    import jinja2
+
+    try:
+        return _jinja().get_template(name).render(**ctx)
+    except jinja2.TemplateError as exc:
+        raise RenderError(f"template {name} failed: {exc}") from exc
+
+
+def release_id(files: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for path in sorted(files):
+        h.update(path.encode() + b"\0" + files[path].encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
+    """Render every engine and the proxy; deterministic (same input, byte-identical output)."""
+    engines: list[RenderedEngine] = []
+    files: dict[str, dict[str, str]] = {h.name: {} for h in inv.hosts if h.name in plan.host_roles}
+    for e in plan.engines:
+        argv = engine_argv(plan, inv, topo, e)
+        env = engine_env(plan, inv, e)
+        prepend = plan.role_config[e.role].env_prepend
+        engines.append(RenderedEngine(
+            id=e.id, host=e.host, ip=e.host_ip, role=e.role, instance=e.instance, dp_ranks=e.dp_ranks,
+            dp_size=e.dp_size, tp_size=e.tp_size, devices=e.devices, port=e.port, serves_http=e.serves_http,
+            argv=argv, env=env, env_prepend=prepend))
+        ctx = {"plan": plan, "engine": e, "env": env, "env_prepend": prepend, "argv": argv}
+        out = files[e.host]
+        out[f"engines/{e.id}.env"] = _template("engine.env.j2", **ctx)
+        out[f"engines/{e.id}.sh"] = _template("engine.sh.j2", **ctx)
+        if plan.runtime == "container":
+            out[f"engines/{e.id}.container.sh"] = _template(
+                "engine.container.sh.j2", **ctx, container=container_spec(plan, inv, e))
+
+    proxy = None
+    if plan.proxy:
+        p = plan.proxy
+        argv = proxy_argv(plan)
+        proxy = RenderedProxy(
+            host=p.ip, host_name=p.host, port=p.port, router=p.router,
+            prefill=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.prefill],
+            decode=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.decode], argv=argv)
+        files[p.host]["proxy/proxy.sh"] = _template("proxy.sh.j2", plan=plan, proxy=p, argv=argv)
+
+    releases: dict[str, str] = {}
+    for host, out in files.items():
+        releases[host] = release_id(out)
+        manifest = {
+            "cluster": plan.cluster, "topology": plan.topology, "host": host, "release": releases[host],
+            "runtime": plan.runtime, "vllm_ascend_version": plan.vllm_ascend_version, "image": plan.image,
+            "served_model_name": plan.served_model_name,
+            "engines": [
+                {"id": e.id, "role": e.role, "port": e.port, "serves_http": e.serves_http, "devices": e.devices,
+                 "command": ["bash", f"engines/{e.id}.container.sh" if plan.runtime == "container"
+                             else f"engines/{e.id}.sh"]}
+                for e in plan.engines if e.host == host
+            ],
+            "proxy": None if not (plan.proxy and plan.proxy.host == host) else
+            {"port": plan.proxy.port, "command": ["bash", "proxy/proxy.sh"]},
+        }
+        out["manifest.json"] = _template("manifest.json.j2", manifest=manifest)
+    return Rendered(plan=plan, engines=engines, proxy=proxy, files=files, releases=releases)
+
+
+def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:
+    """Write each host's files under out_dir/<host>/ and the CONTRACT document as out_dir/render.json."""
+    written: list[Path] = []
+    for host, files in rendered.files.items():
+        for rel, content in files.items():
+            path = out_dir / host / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
+            if rel.endswith(".sh"):
+                path.chmod(0o755)
+            written.append(path)
+    doc = out_dir / "render.json"
+    doc.write_text(json.dumps(rendered.contract(), indent=2) + "\n")
+    written.append(doc)
+    return written

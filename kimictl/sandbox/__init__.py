@@ -1,0 +1,1 @@
+"""Local simulated Atlas cluster: network-namespace hosts, Ascend tool doubles, simulated engine."""

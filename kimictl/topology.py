@@ -1,0 +1,207 @@
+"""Topology presets and user topology files: roles, DP x TP per instance, env, switches, serve flags."""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kimictl.errors import TopologyError
+from kimictl.facts import DATA_DIR, hardware_catalogue, switch_rules
+from kimictl.yamlsrc import LineMap, load_yaml, yaml_type_hint
+
+PRESET_DIR = DATA_DIR / "topologies"
+RoleName = Literal["prefill", "decode", "colocated"]
+
+# Flags kimictl computes from the plan; a topology setting them would break ranks, ports or the connector.
+RESERVED_FLAGS = {
+    "host", "port", "data-parallel-size", "data-parallel-rank", "data-parallel-address",
+    "data-parallel-rpc-port", "data-parallel-size-local", "data-parallel-start-rank", "headless",
+    "tensor-parallel-size", "kv-transfer-config", "served-model-name", "allowed-local-media-path",
+    "speculative-config", "model",
+}
+_FLAG = r"^[a-z0-9][a-z0-9-]*$"
+_ENV = r"^[A-Z_][A-Z0-9_]*$"
+ServeValue = bool | int | float | str | dict[str, Any] | list[Any]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Ports(_Strict):
+    http_base: int = Field(7100, ge=1024, le=65000, description="first engine HTTP port on each host")
+    rpc: int = Field(12321, ge=1024, le=65535, description="--data-parallel-rpc-port of each DP group")
+    kv_base: int | None = Field(None, ge=1024, le=65000,
+                                description="first kv_port; default the hardware minimum (A2 28000, A3 36000)")
+
+
+class Proxy(_Strict):
+    router: Literal["vllm-router"] = "vllm-router"
+    port: int = Field(8000, ge=1024, le=65535)
+    policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"
+
+
+class Role(_Strict):
+    nodes: int = Field(1, ge=1, le=64, description="hosts per instance of this role")
+    dp: int = Field(ge=1, le=256, description="data-parallel size of one instance")
+    tp: int = Field(ge=1, le=16, description="tensor-parallel size")
+    env: dict[str, str] = Field(default_factory=dict)
+    switches: dict[str, bool] = Field(default_factory=dict)
+    serve: dict[str, ServeValue] = Field(default_factory=dict)
+
+    @field_validator("switches")
+    @classmethod
+    def _known_switches(cls, v: dict[str, bool]) -> dict[str, bool]:
+        known = switch_rules()
+        for name in v:
+            if name not in known:
+                close = difflib.get_close_matches(name, list(known), n=1)
+                raise ValueError(f"unknown switch '{name}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+                                 + f"; known: {', '.join(known)}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @field_validator("serve")
+    @classmethod
+    def _serve_flags(cls, v: dict[str, ServeValue]) -> dict[str, ServeValue]:
+        return _check_serve(v)
+
+
+class Speculative(_Strict):
+    method: Literal["eagle3"] = "eagle3"
+    model_id: str
+    num_speculative_tokens: dict[RoleName, int]
+
+
+class Topology(_Strict):
+    """A deployment shape: which roles exist, how big each instance is, and how engines are tuned."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
+    description: str
+    hardware: str | None = Field(None, description="required hardware of every host; default: any one kind")
+    mode: Literal["pd", "colocated"]
+    launch: Literal["external-dp", "internal-dp"] = Field(
+        "external-dp", description="external-dp: one `vllm serve` per DP rank; internal-dp: one per host")
+    share: dict[Literal["prefill", "decode"], int] = Field(
+        default_factory=lambda: {"prefill": 1, "decode": 1}, description="how spare hosts split between roles")
+    ports: Ports = Field(default_factory=Ports)
+    proxy: Proxy | None = None
+    env: dict[str, str] = Field(default_factory=dict)
+    serve: dict[str, ServeValue] = Field(default_factory=dict)
+    roles: dict[RoleName, Role]
+    speculative: Speculative | None = None
+    source: str = Field("", exclude=True)
+
+    @field_validator("hardware")
+    @classmethod
+    def _hardware(cls, v: str | None) -> str | None:
+        if v is not None and v not in hardware_catalogue():
+            raise ValueError(f"unknown hardware '{v}'; expected one of {', '.join(hardware_catalogue())}")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        return _check_env(v)
+
+    @field_validator("serve")
+    @classmethod
+    def _serve_flags(cls, v: dict[str, ServeValue]) -> dict[str, ServeValue]:
+        return _check_serve(v)
+
+    @model_validator(mode="after")
+    def _roles_match_mode(self) -> Topology:
+        roles = set(self.roles)
+        if self.mode == "pd" and roles != {"prefill", "decode"}:
+            raise ValueError(f"mode pd needs exactly the roles prefill and decode, got {', '.join(sorted(roles))}")
+        if self.mode == "colocated" and roles != {"colocated"}:
+            raise ValueError(f"mode colocated needs exactly one role named colocated, got {', '.join(sorted(roles))}")
+        if self.mode == "pd" and self.launch != "external-dp":
+            raise ValueError("mode pd needs launch external-dp (one vllm serve per DP rank, as vllm-ascend's P/D docs)")
+        if self.mode == "pd" and self.proxy is None:
+            raise ValueError("mode pd needs a proxy section (the P/D router in front of the engines)")
+        return self
+
+    def role_serve(self, role: str) -> dict[str, ServeValue]:
+        """Common serve flags overlaid with the role's own (role wins; False removes a common flag)."""
+        merged = dict(self.serve)
+        merged.update(self.roles[role].serve)  # type: ignore[index]
+        return {k: v for k, v in merged.items() if v is not False}
+
+
+def _check_env(v: dict[str, str]) -> dict[str, str]:
+    import re
+
+    for k in v:
+        if not re.match(_ENV, k):
+            raise ValueError(f"env name '{k}' must match {_ENV}")
+    return v
+
+
+def _check_serve(v: dict[str, ServeValue]) -> dict[str, ServeValue]:
+    import re
+
+    for k in v:
+        if k.startswith("-"):
+            raise ValueError(f"serve flag '{k}': write it without leading dashes")
+        if not re.match(_FLAG, k):
+            raise ValueError(f"serve flag '{k}' must be lower-case words joined by '-'")
+        if k in RESERVED_FLAGS:
+            raise ValueError(f"serve flag '{k}' is computed by kimictl from the plan; remove it from the topology")
+    return v
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yml"))
+
+
+def load_topology(name_or_path: str) -> Topology:
+    """A preset by name, or a user topology file by path."""
+    candidate = Path(name_or_path)
+    if name_or_path in preset_names():
+        path = PRESET_DIR / f"{name_or_path}.yml"
+    elif candidate.suffix in (".yml", ".yaml") or "/" in name_or_path:
+        path = candidate
+    else:
+        close = difflib.get_close_matches(name_or_path, preset_names(), n=1)
+        raise TopologyError(
+            f"unknown topology '{name_or_path}'" + (f" (did you mean '{close[0]}'?)" if close else "")
+            + f"; presets: {', '.join(preset_names())}; or give a path to a topology YAML"
+        )
+    doc = load_yaml(path, "topology")
+    if not isinstance(doc, dict):
+        raise TopologyError(f"{path}: a topology is a YAML mapping (see `kimictl schema topology`)")
+    try:
+        return Topology(**doc, source=str(path))
+    except ValidationError as exc:
+        raise TopologyError(f"invalid topology {path}", details=[_describe(e, doc, path) for e in exc.errors()]) from None
+
+
+def _describe(err: dict, doc: Any, path: Path) -> str:
+    loc = [p for p in err["loc"]]
+    node, line = doc, getattr(doc, "line", 0)
+    value: Any = doc
+    for part in loc:
+        if isinstance(node, LineMap) and part in node:
+            line = node.line_of(part)
+            node = node[part]
+            value = node
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+            value = node
+        else:
+            break
+    field = ".".join(str(p) for p in loc) or "(top level)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        msg = "required"
+    elif err["type"].endswith("_type") or err["type"] == "literal_error":
+        msg += yaml_type_hint(value)
+    return f"{path}:{line}: {field}: {msg}"

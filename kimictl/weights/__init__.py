@@ -1,0 +1,1 @@
+"""Checkpoint staging: manifest, pull, all-gather, verify; fake hub for tests and the sandbox."""
