@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# colocated-0-n0 on a3-node-01: the engine command, run on the host or inside the container.
+# Rendered by kimictl for cluster kimi-a3-single, topology a3-colocated; do not edit.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+set -a
+. "$here/colocated-0-n0.env"
+set +a
+export LD_LIBRARY_PATH=/usr/local/Ascend/ascend-toolkit/latest/python/site-packages/mooncake"${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+exec vllm serve /data/models/Kimi-K2.5-W4A8 \
+  --host 0.0.0.0 \
+  --port 7100 \
+  --data-parallel-size 4 \
+  --data-parallel-size-local 4 \
+  --data-parallel-address 192.168.10.11 \
+  --data-parallel-rpc-port 13389 \
+  --tensor-parallel-size 4 \
+  --served-model-name kimi-k2.5 \
+  --enable-expert-parallel \
+  --seed 1024 \
+  --quantization ascend \
+  --trust-remote-code \
+  --max-model-len 32768 \
+  --mm-encoder-tp-mode data \
+  --tool-call-parser kimi_k2 \
+  --reasoning-parser kimi_k2 \
+  --enable-auto-tool-choice \
+  --max-num-seqs 64 \
+  --max-num-batched-tokens 16384 \
+  --gpu-memory-utilization 0.9 \
+  --compilation-config '{"cudagraph_mode":"FULL_DECODE_ONLY"}' \
+  --allowed-local-media-path /var/lib/kimi/media \
+  --additional-config '{"enable_fused_mc2":1,"enable_mlapo":true,"enable_flashcomm1":true,"enable_balance_scheduling":true}'

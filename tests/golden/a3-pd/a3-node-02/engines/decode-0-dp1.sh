@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# decode-0-dp1 on a3-node-02: the engine command, run on the host or inside the container.
+# Rendered by kimictl for cluster kimi-a3, topology a3-pd; do not edit.
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+set -a
+. "$here/decode-0-dp1.env"
+set +a
+export LD_LIBRARY_PATH=/usr/local/Ascend/ascend-toolkit/latest/python/site-packages/mooncake"${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+exec vllm serve /data/models/Kimi-K2.5-W4A8 \
+  --host 0.0.0.0 \
+  --port 7101 \
+  --data-parallel-size 4 \
+  --data-parallel-rank 1 \
+  --data-parallel-address 192.168.10.12 \
+  --data-parallel-rpc-port 12321 \
+  --tensor-parallel-size 4 \
+  --served-model-name kimi-k2.5 \
+  --enable-expert-parallel \
+  --seed 1024 \
+  --quantization ascend \
+  --trust-remote-code \
+  --max-model-len 32768 \
+  --no-enable-prefix-caching \
+  --mm-encoder-tp-mode data \
+  --tool-call-parser kimi_k2 \
+  --reasoning-parser kimi_k2 \
+  --enable-auto-tool-choice \
+  --max-num-seqs 32 \
+  --max-num-batched-tokens 128 \
+  --gpu-memory-utilization 0.9 \
+  --compilation-config '{"cudagraph_mode":"FULL_DECODE_ONLY","cudagraph_capture_sizes":[1,2,4,8,16,32,64,96,128]}' \
+  --allowed-local-media-path /var/lib/kimi/media \
+  --additional-config '{"enable_fused_mc2":1,"enable_mlapo":true,"recompute_scheduler_enable":true,"multistream_overlap_shared_expert":false}' \
+  --kv-transfer-config '{"kv_connector":"MooncakeConnectorV1","kv_role":"kv_consumer","kv_port":"36100","engine_id":"decode-0","kv_connector_extra_config":{"prefill":{"dp_size":2,"tp_size":8},"decode":{"dp_size":4,"tp_size":4}}}'
