@@ -154,6 +154,18 @@ class SwitchSpelling(Strict):
     off_value: Any = None      # what an explicit "off" is spelled as; None = leave unset
 
 
+class Compat(Strict):
+    cann: list[str]
+    driver_min: str
+
+
+class CheckSpec(Strict):
+    id: str
+    severity: Literal["error", "warning", "info"]
+    title: str
+    fix: str
+
+
 class VersionProfile(Strict):
     version: str
     image_tag: str
@@ -164,6 +176,7 @@ class VersionProfile(Strict):
     python: str
     kv_connector: str
     kv_connector_module_path: str | None = None
+    compat: Compat
     switches: dict[str, SwitchSpelling]
     env: dict[str, str]
     env_prepend: dict[str, str] = Field(default_factory=dict)
@@ -201,6 +214,11 @@ def model_facts() -> ModelFacts:
 @functools.cache
 def switch_rules() -> dict[str, SwitchRule]:
     return {k: SwitchRule(**v) for k, v in _load(DATA_DIR / "switches.yml").items()}
+
+
+@functools.cache
+def check_specs() -> dict[str, CheckSpec]:
+    return {k: CheckSpec(id=k, **v) for k, v in _load(DATA_DIR / "checks.yml").items()}
 
 
 @functools.cache

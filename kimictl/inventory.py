@@ -18,7 +18,8 @@ from kimictl.yamlsrc import LineMap, load_yaml, yaml_type_hint
 # --- safe value shapes: nothing a shell or YAML could misread -------------------------------------------
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62})$")
-_DNS = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$")
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
 _NIC = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,14}$")
 _PATH = re.compile(r"^/[A-Za-z0-9._/+@-]*$")
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -113,7 +114,7 @@ KEYS: dict[str, Key] = {
     "kimi_vllm_ascend_version": Key("cluster", "vllm-ascend version profile, default the newest"),
     "kimi_runtime": Key("cluster", "container (default) or host"),
     "kimi_proxy_host": Key("cluster", "inventory host that runs the P/D proxy, default the first prefill host"),
-    "kimi_draft_model_dir": Key("cluster", "absolute path of the eagle3 draft checkpoint; enables speculative decoding"),
+    "kimi_draft_model_dir": Key("cluster", "eagle3 draft checkpoint path; setting it enables speculative decoding"),
     "kimi_media_dir": Key("cluster", "directory engines may read local media from (--allowed-local-media-path)"),
     "kimi_engine_profile": Key("cluster", "engine profile: ascend (default)"),
     "kimi_nic": Key("both", "NIC for HCCL/GLOO/TP sockets (required on every host, directly or via all.vars)"),
@@ -407,5 +408,6 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
                 seen_dev.setdefault(ip, h.name)
     names = [h.name for h in hosts]
     if cluster.kimi_proxy_host and cluster.kimi_proxy_host not in names:
-        c.err(c.all_origin["kimi_proxy_host"].line, f"all.vars: kimi_proxy_host '{cluster.kimi_proxy_host}' is not an inventory host"
+        c.err(c.all_origin["kimi_proxy_host"].line,
+              f"all.vars: kimi_proxy_host '{cluster.kimi_proxy_host}' is not an inventory host"
                  + _dym(cluster.kimi_proxy_host, names))

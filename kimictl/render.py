@@ -224,7 +224,7 @@ def _jinja():
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
-        autoescape=False,  # noqa: S701 - shell and env files, quoted by the `sh` filter
+        autoescape=False,
     )
     env.filters["sh"] = lambda v: shlex.quote(str(v))
     env.filters["argv_lines"] = argv_lines
@@ -241,7 +241,7 @@ def argv_lines(argv: list[str]) -> str:
     return " \\\n  ".join(" ".join(line) for line in lines)
 
 
-def _template(name: str, **ctx: Any) -> str:
+def render_template(name: str, **ctx: Any) -> str:
     import jinja2
 
     try:
@@ -271,10 +271,10 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             argv=argv, env=env, env_prepend=prepend))
         ctx = {"plan": plan, "engine": e, "env": env, "env_prepend": prepend, "argv": argv}
         out = files[e.host]
-        out[f"engines/{e.id}.env"] = _template("engine.env.j2", **ctx)
-        out[f"engines/{e.id}.sh"] = _template("engine.sh.j2", **ctx)
+        out[f"engines/{e.id}.env"] = render_template("engine.env.j2", **ctx)
+        out[f"engines/{e.id}.sh"] = render_template("engine.sh.j2", **ctx)
         if plan.runtime == "container":
-            out[f"engines/{e.id}.container.sh"] = _template(
+            out[f"engines/{e.id}.container.sh"] = render_template(
                 "engine.container.sh.j2", **ctx, container=container_spec(plan, inv, e))
 
     proxy = None
@@ -285,7 +285,7 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             host=p.ip, host_name=p.host, port=p.port, router=p.router,
             prefill=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.prefill],
             decode=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.decode], argv=argv)
-        files[p.host]["proxy/proxy.sh"] = _template("proxy.sh.j2", plan=plan, proxy=p, argv=argv)
+        files[p.host]["proxy/proxy.sh"] = render_template("proxy.sh.j2", plan=plan, proxy=p, argv=argv)
 
     releases: dict[str, str] = {}
     for host, out in files.items():
@@ -303,7 +303,7 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             "proxy": None if not (plan.proxy and plan.proxy.host == host) else
             {"port": plan.proxy.port, "command": ["bash", "proxy/proxy.sh"]},
         }
-        out["manifest.json"] = _template("manifest.json.j2", manifest=manifest)
+        out["manifest.json"] = render_template("manifest.json.j2", manifest=manifest)
     return Rendered(plan=plan, engines=engines, proxy=proxy, files=files, releases=releases)
 
 

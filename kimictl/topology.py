@@ -181,7 +181,8 @@ def load_topology(name_or_path: str) -> Topology:
     try:
         return Topology(**doc, source=str(path))
     except ValidationError as exc:
-        raise TopologyError(f"invalid topology {path}", details=[_describe(e, doc, path) for e in exc.errors()]) from None
+        details = [_describe(e, doc, path) for e in exc.errors()]
+        raise TopologyError(f"invalid topology {path}", details=details) from None
 
 
 def _describe(err: dict, doc: Any, path: Path) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kimictl.cli import static
+from kimictl.cli import preflight, static
 
 app = typer.Typer(
     name="kimictl",
@@ -19,6 +19,7 @@ app.command()(static.validate)
 app.command()(static.plan)
 app.command()(static.render)
 app.command()(static.schema)
+app.command()(preflight.preflight)
 
 
 def main() -> None:

@@ -28,7 +28,13 @@ def topologies(output: OutputOpt = Output.text) -> None:
 
 
 @handle_errors
-def validate(inventory: InventoryOpt, topology: TopologyOpt, output: OutputOpt = Output.text) -> None:
+def validate(
+    inventory: InventoryOpt,
+    topology: TopologyOpt,
+    output: OutputOpt = Output.text,
+    live: Annotated[bool, typer.Option("--live", help="Also run preflight over SSH on every host.")] = False,
+    accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys")] = False,
+) -> None:
     """Check the inventory schema, the topology and that the plan is feasible (exit 2 when not)."""
     from kimictl.pipeline import prepare
 
@@ -37,6 +43,14 @@ def validate(inventory: InventoryOpt, topology: TopologyOpt, output: OutputOpt =
         "valid": True, "cluster": p.plan.cluster, "topology": p.plan.topology, "hosts": len(p.inventory.hosts),
         "engines": len(p.plan.engines), "warnings": p.plan.warnings,
     }
+    if live:
+        from kimictl.cli.preflight import run_and_print
+
+        if output == Output.text:
+            typer.echo(f"ok: static checks passed ({summary['hosts']} host(s), {summary['engines']} engine(s))")
+        run_and_print(inventory, topology, output, accept_new_host_keys, None, 30.0,
+                      extra={"validate": summary} if output == Output.json else None)
+        return
     if output == Output.json:
         emit_json(summary)
         return

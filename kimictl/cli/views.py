@@ -10,6 +10,7 @@ from rich.text import Text
 
 if TYPE_CHECKING:
     from kimictl.plan import Plan
+    from kimictl.preflight import PreflightReport
     from kimictl.render import Rendered
     from kimictl.topology import Topology
 
@@ -100,3 +101,21 @@ def print_to_stdout(renderable) -> None:
 
     # Piped output (CI logs) gets a wide fixed width instead of rich's 80 columns.
     Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160).print(renderable)
+
+
+def preflight_view(report: PreflightReport) -> Group:
+    t = Table(title=f"Preflight for {report.cluster} ({report.topology})", title_justify="left")
+    for col in ("host", "check", "result", "message", "fix"):
+        t.add_column(col, overflow="fold")
+    style = {"pass": "green", "skip": "dim"}
+    last = None
+    for r in report.results:
+        status = r.status if r.status != "fail" else ("FAIL" if r.severity == "error" else r.severity)
+        st = style.get(r.status, "bold red" if r.severity == "error" else "yellow")
+        t.add_row(r.host if r.host != last else "", f"{r.id} {r.title}", Text(status, style=st), r.message, r.fix)
+        last = r.host
+    s = report.summary()
+    tail = Text(f"{s['hosts']} host(s), {s['checks']} checks: {s['passed']} passed, {s['errors']} error(s), "
+                f"{s['warnings']} warning(s), {s['skipped']} skipped in {s['seconds']:.1f}s",
+                style="bold green" if report.ok else "bold red")
+    return Group(t, tail)

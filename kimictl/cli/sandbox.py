@@ -1,0 +1,114 @@
+"""`kimictl sandbox up|down|status|fault`: a simulated Atlas cluster on this machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kimictl.cli.common import Output, OutputOpt, emit_json, handle_errors, stderr_console
+
+app = typer.Typer(help="Local simulated Atlas 800 A2/A3 cluster (network namespaces + sshd + tool doubles).",
+                  no_args_is_help=True)
+
+DEFAULT_DIR = Path("/var/tmp/kimictl-sandbox")
+DirOpt = Annotated[Path, typer.Option("--dir", "-d", help="Sandbox directory (state, inventory, keys).")]
+
+
+def _log(msg: str) -> None:
+    stderr_console().print(f"[dim]sandbox:[/dim] {msg}", highlight=False)
+
+
+@app.command()
+@handle_errors
+def up(
+    hosts: Annotated[int, typer.Option("--hosts", "-n", help="Number of fake hosts (1..32).")] = 2,
+    hardware: Annotated[str, typer.Option("--hardware", help="atlas-800-a3 or atlas-800-a2.")] = "atlas-800-a3",
+    directory: DirOpt = DEFAULT_DIR,
+    fault: Annotated[list[str] | None, typer.Option("--fault", "-f", help="Fault SPEC to inject (repeatable).")]
+    = None,
+    name: Annotated[str, typer.Option("--name", help="kimi_cluster name written to the inventory.")] = "sandbox",
+    mode: Annotated[str | None, typer.Option("--mode", help="Force netns or loopback (default: netns if possible).",
+                                             hidden=True)] = None,
+    output: OutputOpt = Output.text,
+) -> None:
+    """Create N fake Atlas hosts reachable over SSH and write DIR/inventory.yml."""
+    from kimictl.sandbox.cluster import Sandbox
+
+    res = Sandbox(directory, _log).up(hosts, hardware, cluster=name, faults=fault or [], mode=mode)
+    st = res.state
+    if output == Output.json:
+        emit_json({"schema_version": 1, "already_up": res.already_up, "seconds": round(res.seconds, 2),
+                   "dir": st.dir, "mode": st.mode, "hardware": st.hardware, "inventory": str(res.inventory),
+                   "ssh_config": f"{st.dir}/ssh_config", "hosts": [h.model_dump() for h in st.hosts],
+                   "faults": st.faults})
+        return
+    verb = "already up" if res.already_up else f"up in {res.seconds:.1f}s"
+    typer.echo(f"sandbox {verb}: {len(st.hosts)} x {st.hardware} ({st.mode} mode)")
+    for h in st.hosts:
+        typer.echo(f"  {h.name}  {h.ip}:{h.port}  device ips {h.device_ips[0]}..{h.device_ips[-1]}")
+    typer.echo(f"inventory:  {res.inventory}")
+    typer.echo(f"ssh:        ssh -F {st.dir}/ssh_config {st.hosts[0].name} npu-smi info")
+    typer.echo(f"tear down:  kimictl sandbox down --dir {st.dir}")
+
+
+@app.command()
+@handle_errors
+def down(directory: DirOpt = DEFAULT_DIR, output: OutputOpt = Output.text) -> None:
+    """Stop every fake host and remove namespaces, links, mounts and files."""
+    from kimictl.sandbox.cluster import Sandbox
+
+    removed = Sandbox(directory, _log).down()
+    if output == Output.json:
+        emit_json({"schema_version": 1, "dir": str(directory), "removed": removed})
+    else:
+        typer.echo(f"sandbox down ({len(removed)} objects removed)" if removed else "nothing to tear down")
+
+
+@app.command()
+@handle_errors
+def status(directory: DirOpt = DEFAULT_DIR, output: OutputOpt = Output.text) -> None:
+    """Show the sandbox hosts, whether their sshd answers, and active faults."""
+    from kimictl.errors import EXIT_DEGRADED, EXIT_FAILED
+    from kimictl.sandbox.cluster import Sandbox
+
+    doc = Sandbox(directory).status()
+    if output == Output.json:
+        emit_json(doc)
+    elif doc["state"] == "absent":
+        typer.echo(f"no sandbox in {doc['dir']}")
+    else:
+        typer.echo(f"sandbox {doc['cluster']}: {doc['state']} ({len(doc['hosts'])} x {doc['hardware']}, "
+                   f"{doc['mode']} mode, {doc['dir']})")
+        for h in doc["hosts"]:
+            faults = f"  faults: {', '.join(h['faults'])}" if h["faults"] else ""
+            typer.echo(f"  {h['name']:<10} {h['state']:<5} {h['ip']}:{h['port']}{faults}")
+    code = {"up": 0, "degraded": EXIT_DEGRADED}.get(doc["state"], EXIT_FAILED)
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
+@handle_errors
+def fault(
+    spec: Annotated[list[str], typer.Argument(help="npu-unhealthy:HOST:NPU, link-down:HOST:NPU, "
+                                                   "driver-mismatch:HOST[:VER], small-disk:HOST[:SIZE], "
+                                                   "host-down:HOST, slow-link:HOST:RATE, cut-route:HOST:HOST, "
+                                                   "engine-crash:HOST[:ROLE], engine-hang:HOST[:ROLE], "
+                                                   "port-taken:HOST:PORT, clear:HOST|all")],
+    directory: DirOpt = DEFAULT_DIR,
+    output: OutputOpt = Output.text,
+) -> None:
+    """Inject faults into (or clear them from) a running sandbox."""
+    from kimictl.sandbox.cluster import Sandbox
+
+    sb = Sandbox(directory, _log)
+    parsed = [sb.parse(s) for s in spec]   # all specs are checked before any is applied
+    active: list[str] = []
+    for f in parsed:
+        active = sb.apply(f)
+    if output == Output.json:
+        emit_json({"schema_version": 1, "applied": [f.spec for f in parsed], "active": active})
+    else:
+        typer.echo("active faults: " + (", ".join(active) if active else "none"))

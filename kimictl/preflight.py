@@ -1,0 +1,363 @@
+"""Preflight: live read-only checks on every host over SSH, judged against the plan (ids in data/checks.yml)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel
+
+from kimictl import ascend
+from kimictl.facts import check_specs, hardware_catalogue, model_facts, version_profile
+from kimictl.inventory import Host, Inventory
+from kimictl.plan import Plan
+from kimictl.render import render_template
+from kimictl.ssh import Session, Sessions, SSHError
+from kimictl.state import cached_manifest_bytes
+
+CLOCK_SKEW_MAX_S = 2.0
+DISK_HEADROOM = 1.05
+MIN_HOST_MEMORY_GIB = 64
+
+
+class CheckResult(BaseModel):
+    id: str
+    severity: Literal["error", "warning", "info"]
+    host: str
+    status: Literal["pass", "fail", "skip"]
+    title: str
+    message: str
+    fix: str = ""
+
+
+class PreflightReport(BaseModel):
+    cluster: str
+    topology: str
+    results: list[CheckResult]
+    seconds: float
+
+    @property
+    def failed_errors(self) -> list[CheckResult]:
+        return [r for r in self.results if r.status == "fail" and r.severity == "error"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_errors
+
+    def summary(self) -> dict:
+        def count(status: str, sev: str | None = None) -> int:
+            return sum(1 for r in self.results if r.status == status and (sev is None or r.severity == sev))
+
+        return {"ok": self.ok, "hosts": len({r.host for r in self.results if r.host != "*"}),
+                "checks": len(self.results), "passed": count("pass"), "errors": count("fail", "error"),
+                "warnings": count("fail", "warning"), "skipped": count("skip"), "seconds": round(self.seconds, 2)}
+
+    def to_json(self) -> dict:
+        return {"schema_version": 1, "cluster": self.cluster, "topology": self.topology,
+                "summary": self.summary(), "results": [r.model_dump() for r in self.results]}
+
+
+@dataclass
+class Probe:
+    """Sections of one host's probe output: name -> (text, rc)."""
+
+    sections: dict[str, tuple[str, int]] = field(default_factory=dict)
+    t_sent: float = 0.0
+    t_back: float = 0.0
+
+    def text(self, name: str) -> str:
+        return self.sections.get(name, ("", 127))[0]
+
+    def rc(self, name: str) -> int:
+        return self.sections.get(name, ("", 127))[1]
+
+
+_SECTION = re.compile(r"^@@kimi begin (\S+)\n(.*?)\n?@@kimi end \1 (\d+)$", re.S | re.M)
+
+
+def parse_sections(out: str) -> dict[str, tuple[str, int]]:
+    return {m.group(1): (m.group(2), int(m.group(3))) for m in _SECTION.finditer(out)}
+
+
+class _Judge:
+    """Collects results; each check id comes with its severity, title and fix from the table."""
+
+    def __init__(self, skip: set[str]):
+        self.specs = check_specs()
+        self.results: list[CheckResult] = []
+        self.skip = skip
+
+    def add(self, cid: str, host: str, ok: bool | None, message: str) -> None:
+        spec = self.specs[cid]
+        status = "skip" if ok is None or cid in self.skip else ("pass" if ok else "fail")
+        if cid in self.skip:
+            message = f"skipped by --skip-check ({message})"
+        self.results.append(CheckResult(id=cid, severity=spec.severity, host=host, status=status, title=spec.title,
+                                        message=message, fix="" if status != "fail" else spec.fix))
+
+
+def _managed_pgids(p: Probe) -> set[int]:
+    """Process groups of engines kimictl's supervisor runs (their NPUs and ports are ours, not foreign)."""
+    out: set[int] = set()
+    for line in p.text("supervised").splitlines():
+        try:
+            st = json.loads(line)
+        except ValueError:
+            continue
+        if st.get("child_pid"):
+            out.add(int(st["child_pid"]))
+    return out
+
+
+def _listeners(p: Probe) -> dict[int, list[int]]:
+    """port -> pids listening (ss -Htlnp)."""
+    out: dict[int, list[int]] = {}
+    for line in p.text("listen").splitlines():
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        m = re.search(r":(\d+)$", parts[3])
+        if not m:
+            continue
+        out.setdefault(int(m.group(1)), []).extend(int(x) for x in re.findall(r"pid=(\d+)", line))
+    return out
+
+
+def _pgid(p: Probe, pid: int) -> int | None:
+    for line in p.text("ps").splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] == str(pid):
+            return int(parts[1])
+    return None
+
+
+def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_bytes: int, exact: bool) -> None:
+    hw = hardware_catalogue()[h.kimi_hardware]
+    ver = version_profile(plan.vllm_ascend_version)
+    planned = sorted({d for e in plan.engines_on(h.name) for d in e.devices})
+    info = ascend.parse_npu_smi_info(p.text("npu-smi"))
+    managed = _managed_pgids(p)
+
+    # hardware
+    if p.rc("npu-smi") != 0:
+        j.add("HW-001", h.name, False, f"npu-smi info failed (rc {p.rc('npu-smi')}): {p.text('npu-smi')[-200:]}")
+    else:
+        j.add("HW-001", h.name, len(info.npus) == hw.npus,
+              f"npu-smi shows {len(info.npus)} NPUs; {hw.name} has {hw.npus}")
+    names = sorted({n.name for n in info.npus})
+    j.add("HW-002", h.name, bool(names) and names == [hw.npu_smi_name],
+          f"chip name {', '.join(names) or 'none'}; {hw.name} reports {hw.npu_smi_name}")
+    by_id = {n.logical_id: n for n in info.npus}
+    sick = [f"NPU {i} health {by_id[i].health}" if i in by_id else f"NPU {i} missing" for i in planned
+            if i not in by_id or by_id[i].health != "OK"]
+    j.add("HW-003", h.name, not sick, "; ".join(sick) or f"NPUs {planned[0]}-{planned[-1]} OK" if planned else
+          "no NPUs planned on this host")
+    odd = [f"NPU {n.logical_id}: {n.hbm_total_mb} MB" for n in info.npus if n.hbm_total_mb != hw.hbm_mib]
+    j.add("HW-004", h.name, not odd if info.npus else None,
+          "; ".join(odd) or f"{hw.hbm_mib} MB HBM per NPU")
+    foreign = [f"NPU {npu} held by pid {pid} ({name})" for npu, pid, name, _ in info.processes
+               if npu in planned and _pgid(p, pid) not in managed and pid not in managed]
+    j.add("HW-005", h.name, not foreign, "; ".join(foreign) or "no foreign process on planned NPUs")
+
+    # versions
+    drv = ascend.version_of(p.text("driver"))
+    j.add("VER-001", h.name, bool(drv) and ascend.version_tuple(drv) >= ascend.version_tuple(ver.compat.driver_min),
+          f"driver {drv or 'not found'}; vllm-ascend {ver.version} needs >= {ver.compat.driver_min}")
+    fw = ascend.version_of(p.text("firmware"))
+    j.add("VER-002", h.name, bool(fw), f"firmware {fw or 'not found'}")
+    if inv.cluster.kimi_runtime == "host":
+        cann = ascend.cann_version(p.text("cann"))
+        j.add("VER-003", h.name, cann in ver.compat.cann,
+              f"CANN {cann or 'not found'}; vllm-ascend {ver.version} needs {', '.join(ver.compat.cann)}")
+        eng = p.text("engine").strip()
+        j.add("RT-001", h.name, p.rc("engine") == 0, f"engine command: {eng or 'not found on PATH'}")
+    else:
+        j.add("VER-003", h.name, None, "container runtime: CANN comes with the image")
+        j.add("VER-005", h.name, p.rc("image") == 0,
+              f"image {plan.image} " + ("present" if p.rc("image") == 0 else "not present"))
+        j.add("RT-001", h.name, p.rc("docker") == 0,
+              f"docker server {p.text('docker').strip()}" if p.rc("docker") == 0 else "docker not usable")
+
+    # network
+    down = [f"NPU {i} link {ascend.parse_link(p.text(f'link-{i}'))}" for i in planned
+            if ascend.parse_link(p.text(f"link-{i}")) != "UP"]
+    j.add("NET-001", h.name, not down, "; ".join(down) or "all planned NPU links UP")
+    bad = [f"NPU {i} net health {ascend.parse_net_health(p.text(f'health-{i}'))}" for i in planned
+           if ascend.parse_net_health(p.text(f"health-{i}")).lower() != "success"]
+    j.add("NET-002", h.name, not bad, "; ".join(bad) or "net health Success on planned NPUs")
+    if h.kimi_device_ips:
+        seen = {i: ascend.parse_device_ip(p.text(f"ip-{i}")) for i in range(hw.npus)}
+        diff = [f"NPU {i}: host has {seen[i]}, inventory says {ip}" for i, ip in enumerate(h.kimi_device_ips)
+                if seen.get(i) != ip]
+        j.add("NET-004", h.name, not diff, "; ".join(diff) or "device IPs match kimi_device_ips")
+    else:
+        j.add("NET-004", h.name, None, "kimi_device_ips not set in the inventory")
+    nic = p.text("nic")
+    j.add("NET-006", h.name, p.rc("nic") == 0 and f"inet {h.ip}/" in nic,
+          f"{h.kimi_nic} carries {h.ip}" if f"inet {h.ip}/" in nic else
+          f"{h.kimi_nic}: " + (nic.strip()[:160] or "no such interface or no IPv4 address"))
+
+    # resources
+    df = p.text("df").splitlines()
+    free = int(df[-1].split()[3]) if p.rc("df") == 0 and len(df) >= 2 else 0
+    staged = p.rc("complete") == 0
+    want = int(need_bytes * DISK_HEADROOM)
+    label = "checkpoint" if exact else "checkpoint (estimate from model facts)"
+    j.add("RES-001", h.name, staged or free >= want,
+          f"checkpoint already staged at {inv.cluster.kimi_model_dir}" if staged else
+          f"{free / 2**30:.1f} GiB free for the {label} of {need_bytes / 2**30:.1f} GiB (+5%)")
+    mem = ascend.parse_kv(p.text("meminfo"))
+    total_gib = int(re.sub(r"\D", "", mem.get("MemTotal", "0")) or 0) / 2**20
+    j.add("RES-002", h.name, total_gib >= MIN_HOST_MEMORY_GIB, f"{total_gib:.0f} GiB host memory")
+    listening = _listeners(p)
+    taken = []
+    for use in (u for u in plan.ports if u.host == h.name):
+        for port in range(use.first, use.last + 1):
+            owners = [pid for pid in listening.get(port, []) if _pgid(p, pid) not in managed]
+            if port in listening and (owners or not listening[port]):
+                taken.append(f"port {port} ({use.what}) in use" + (f" by pid {owners[0]}" if owners else ""))
+                break
+    j.add("RES-003", h.name, not taken, "; ".join(taken) or
+          f"{sum(u.last - u.first + 1 for u in plan.ports if u.host == h.name)} planned ports free")
+
+
+def _ping_plan(plan: Plan, device_ips: dict[str, list[str | None]]) -> dict[str, list[dict]]:
+    """Per host: pings to every planned peer (same DP group, or the other side of a P/D pair).
+
+    Local NPU k pings peer (k mod #peers) at its NPU k, so every local NPU and every peer is exercised while
+    the count stays at max(NPUs, peers) per host."""
+    peers: dict[str, set[str]] = {h: set() for h in plan.host_roles}
+    for inst in plan.instances:
+        for a in inst.hosts:
+            peers[a].update(b for b in inst.hosts if b != a)
+    if plan.mode == "pd":
+        pre = [h for h, r in plan.host_roles.items() if r == "prefill"]
+        dec = [h for h, r in plan.host_roles.items() if r == "decode"]
+        for a in pre:
+            peers[a].update(dec)
+        for b in dec:
+            peers[b].update(pre)
+    out: dict[str, list[dict]] = {}
+    for host, ps in peers.items():
+        plist = sorted(ps)
+        local = [i for i, ip in enumerate(device_ips.get(host, [])) if ip]
+        pings = []
+        for n in range(max(len(local), len(plist)) if plist and local else 0):
+            k = local[n % len(local)]
+            peer = plist[n % len(plist)]
+            ips = device_ips.get(peer, [])
+            if k < len(ips) and ips[k]:
+                pings.append({"npu": k, "address": ips[k], "peer": peer})
+        out[host] = pings
+    return out
+
+
+def run_preflight(inv: Inventory, plan: Plan, *, timeout: float = 20.0, accept_new_keys: bool = False,
+                  skip: set[str] | None = None) -> PreflightReport:
+    """Probe every host in parallel (one SSH connection each) and judge the results against the plan."""
+    t_start = time.monotonic()
+    j = _Judge(skip or set())
+    need, exact = cached_manifest_bytes(inv.cluster.name)
+    if need is None:
+        need = model_facts().total_bytes
+    probes: dict[str, Probe] = {}
+    with Sessions(inv, timeout=timeout, accept_new_keys=accept_new_keys) as sessions:
+
+        def phase1(name: str, s: Session) -> Probe:
+            h = inv.host(name)
+            hw = hardware_catalogue()[h.kimi_hardware]
+            script = render_template(
+                "preflight_probe.sh.j2", host=name, npus=range(hw.npus), device_ip_query=hw.device_ip_query,
+                model_dir=inv.cluster.kimi_model_dir, state_dir=h.kimi_state_dir, nic=h.kimi_nic,
+                runtime=inv.cluster.kimi_runtime, image=plan.image, engine_command=h.kimi_engine_command or "vllm")
+            t0 = time.time()
+            res = s.run("bash -s", stdin=script, timeout=timeout)
+            return Probe(parse_sections(res.stdout), t_sent=t0, t_back=time.time())
+
+        for name, r in sessions.each(phase1).items():
+            if isinstance(r, SSHError):
+                j.add("SSH-001", name, False, str(r))
+            else:
+                j.add("SSH-001", name, True, f"reachable ({inv.host(name).ansible_host})")
+                probes[name] = r
+
+        device_ips: dict[str, list[str | None]] = {}
+        for name, p in probes.items():
+            h = inv.host(name)
+            hw = hardware_catalogue()[h.kimi_hardware]
+            device_ips[name] = list(h.kimi_device_ips) if h.kimi_device_ips else [
+                ascend.parse_device_ip(p.text(f"ip-{i}")) for i in range(hw.npus)]
+        pings = _ping_plan(plan, device_ips)
+
+        def phase2(name: str, s: Session) -> dict[str, tuple[str, int]]:
+            if name not in probes or not pings.get(name):
+                return {}
+            hw = hardware_catalogue()[inv.host(name).kimi_hardware]
+            script = render_template("preflight_ping.sh.j2", host=name, pings=pings[name], ping_flag=hw.device_ping)
+            return parse_sections(s.run("bash -s", stdin=script, timeout=timeout).stdout)
+
+        ping_out = sessions.each(phase2)
+
+    for name, p in probes.items():
+        _host_checks(j, inv, plan, inv.host(name), p, need, exact)
+        got = ping_out.get(name)
+        if isinstance(got, SSHError):
+            j.add("NET-005", name, False, f"ping mesh did not run: {got}")
+        elif not pings.get(name):
+            j.add("NET-005", name, None, "no planned peers with known device IPs")
+        else:
+            failed = []
+            for ping in pings[name]:
+                text, rc = got.get(f"ping-{ping['npu']}-{ping['address']}", ("", 127))
+                _, recv = ascend.parse_ping(text)
+                if rc != 0 or recv == 0:
+                    failed.append(f"NPU {ping['npu']} -> {ping['peer']} {ping['address']} unreachable")
+            j.add("NET-005", name, not failed,
+                  "; ".join(failed) or f"{len(pings[name])} device pings to "
+                  f"{len({x['peer'] for x in pings[name]})} peer host(s) answered")
+    _cross_checks(j, inv, plan, probes)
+    order = {h.name: i for i, h in enumerate(inv.hosts)}
+    j.results.sort(key=lambda r: (order.get(r.host, -1), r.id))
+    return PreflightReport(cluster=plan.cluster, topology=plan.topology, results=j.results,
+                           seconds=time.monotonic() - t_start)
+
+
+def _cross_checks(j: _Judge, inv: Inventory, plan: Plan, probes: dict[str, Probe]) -> None:
+    ver = version_profile(plan.vllm_ascend_version)
+    # VER-004: among hosts of a role that meet the driver floor (VER-001 reports the rest), one version.
+    for role in sorted(set(plan.host_roles.values())):
+        hosts = [h for h, r in plan.host_roles.items() if r == role and h in probes]
+        seen: dict[tuple[str, str], list[str]] = {}
+        for h in hosts:
+            drv = ascend.version_of(probes[h].text("driver"))
+            if drv and ascend.version_tuple(drv) < ascend.version_tuple(ver.compat.driver_min):
+                continue
+            seen.setdefault((drv, ascend.version_of(probes[h].text("firmware"))), []).append(h)
+        common = max(seen, key=lambda k: len(seen[k])) if seen else None
+        for key, hs in seen.items():
+            for h in hs:
+                j.add("VER-004", h, key == common,
+                      f"driver {key[0]}, firmware {key[1]}" + ("" if key == common else
+                                                               f"; most {role} hosts run {common[0]}/{common[1]}"))
+    # NET-003: one TLS switch value on every NPU of every host.
+    tls = {h: {ascend.parse_tls(p.text(f"tls-{i}")) for i in range(hardware_catalogue()[
+        inv.host(h).kimi_hardware].npus)} for h, p in probes.items()}
+    values = [v for vs in tls.values() for v in vs]
+    common_tls = max(set(values), key=values.count) if values else None
+    for h, vs in tls.items():
+        j.add("NET-003", h, vs == {common_tls}, f"TLS switch {','.join(sorted(vs))}"
+              + ("" if vs == {common_tls} else f"; the cluster mostly uses {common_tls}"))
+    # RT-002: clock skew against this control node, allowing for the round trip.
+    for h, p in probes.items():
+        try:
+            remote = float(p.text("time").strip())
+        except ValueError:
+            j.add("RT-002", h, False, "could not read the host clock")
+            continue
+        slack = (p.t_back - p.t_sent) + CLOCK_SKEW_MAX_S
+        skew = remote - p.t_sent
+        j.add("RT-002", h, -CLOCK_SKEW_MAX_S <= skew <= slack,
+              f"clock differs from this node by {skew:+.2f}s (bound {CLOCK_SKEW_MAX_S}s)")

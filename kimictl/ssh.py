@@ -1,0 +1,204 @@
+"""Fast read-only SSH probes with paramiko: one connection per host, TCP_NODELAY, strict host keys, in parallel."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from kimictl.inventory import Host, Inventory
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Target:
+    """How to reach one inventory host, read from its ansible_* variables."""
+
+    name: str
+    address: str
+    port: int = 22
+    user: str = "root"
+    key_files: tuple[str, ...] = ()
+    known_hosts: tuple[str, ...] = ()
+    strict: bool = True
+    ssh_config: str | None = None
+
+
+def _common_args(args: str) -> dict[str, Any]:
+    """The few OpenSSH options kimictl honours from ansible_ssh_common_args / ansible_ssh_extra_args."""
+    out: dict[str, Any] = {"known_hosts": [], "keys": []}
+    words = shlex.split(args or "")
+    i = 0
+    while i < len(words):
+        w = words[i]
+        val = None
+        if w in ("-o", "-i", "-F", "-p") and i + 1 < len(words):
+            val, i = words[i + 1], i + 1
+        elif w.startswith("-o") and len(w) > 2:
+            w, val = "-o", w[2:]
+        i += 1
+        if val is None:
+            continue
+        if w == "-i":
+            out["keys"].append(val)
+        elif w == "-F":
+            out["ssh_config"] = val
+        elif w == "-p":
+            out["port"] = int(val)
+        elif w == "-o" and "=" in val:
+            k, v = val.split("=", 1)
+            k = k.strip().lower()
+            if k == "userknownhostsfile":
+                out["known_hosts"] += v.split()
+            elif k == "stricthostkeychecking":
+                out["strict"] = v.strip().lower() not in ("no", "off", "accept-new")
+            elif k == "port":
+                out["port"] = int(v)
+            elif k == "identityfile":
+                out["keys"].append(v)
+            elif k == "user":
+                out["user"] = v
+    return out
+
+
+def target_for(host: Host) -> Target:
+    v = host.ansible_vars
+    extra = _common_args(" ".join(str(v.get(k, "")) for k in ("ansible_ssh_common_args", "ansible_ssh_extra_args")))
+    keys = [v["ansible_ssh_private_key_file"]] if v.get("ansible_ssh_private_key_file") else []
+    keys += extra["keys"]
+    known = extra["known_hosts"] or [os.path.expanduser("~/.ssh/known_hosts")]
+    return Target(
+        name=host.name,
+        address=host.ansible_host,
+        port=int(v.get("ansible_port", extra.get("port", 22))),
+        user=str(v.get("ansible_user", extra.get("user", "root"))),
+        key_files=tuple(os.path.expanduser(k) for k in keys),
+        known_hosts=tuple(os.path.expanduser(k) for k in known),
+        strict=extra.get("strict", True),
+        ssh_config=extra.get("ssh_config"),
+    )
+
+
+@dataclass
+class RunResult:
+    rc: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+class SSHError(Exception):
+    """The host could not be reached or refused us; message says which and why."""
+
+
+@dataclass
+class Session:
+    target: Target
+    timeout: float = 10.0
+    accept_new_keys: bool = False
+    _client: Any = field(default=None, repr=False)
+
+    def connect(self) -> Session:
+        import paramiko
+
+        t = self.target
+        client = paramiko.SSHClient()
+        for kh in t.known_hosts:
+            if Path(kh).exists():
+                client.load_host_keys(kh)
+        if self.accept_new_keys or not t.strict:
+            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+        else:
+            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        try:
+            sock = socket.create_connection((t.address, t.port), timeout=self.timeout)
+            # Without TCP_NODELAY every small exec round trip waits on Nagle + delayed ACK (~40 ms).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            client.connect(t.address, port=t.port, username=t.user, key_filename=list(t.key_files) or None,
+                           sock=sock, timeout=self.timeout, banner_timeout=self.timeout,
+                           auth_timeout=self.timeout, allow_agent=not t.key_files, look_for_keys=not t.key_files)
+        except paramiko.SSHException as exc:
+            client.close()
+            hint = ""
+            if "not found in known_hosts" in str(exc):
+                hint = " (unknown host key: add it to known_hosts, or pass --accept-new-host-keys)"
+            raise SSHError(f"ssh to {t.user}@{t.address}:{t.port} failed: {exc}{hint}") from None
+        except OSError as exc:
+            client.close()
+            raise SSHError(f"cannot reach {t.address}:{t.port}: {exc.strerror or exc}") from None
+        self._client = client
+        return self
+
+    def run(self, command: str, timeout: float | None = None, stdin: str | None = None) -> RunResult:
+        t0 = time.monotonic()
+        chan_timeout = timeout or self.timeout
+        try:
+            stdin_f, stdout_f, stderr_f = self._client.exec_command(command, timeout=chan_timeout)
+            if stdin is not None:
+                stdin_f.write(stdin)
+                stdin_f.channel.shutdown_write()
+            out = stdout_f.read().decode(errors="replace")
+            err = stderr_f.read().decode(errors="replace")
+            rc = stdout_f.channel.recv_exit_status()
+        except TimeoutError:
+            raise SSHError(f"{self.target.name}: command timed out after {chan_timeout:.0f}s") from None
+        return RunResult(rc, out, err, time.monotonic() - t0)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class Sessions:
+    """One open session per reachable host; unreachable hosts keep their SSHError. Close with `with`."""
+
+    def __init__(self, inv: Inventory, *, timeout: float = 10.0, accept_new_keys: bool = False):
+        self.hosts = list(inv.hosts)
+        self.timeout = timeout
+
+        def open_one(host: Host) -> Session | SSHError:
+            try:
+                return Session(target_for(host), timeout=timeout, accept_new_keys=accept_new_keys).connect()
+            except SSHError as exc:
+                return exc
+
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(self.hosts))))
+        self.sessions: dict[str, Session | SSHError] = dict(
+            zip([h.name for h in self.hosts], self._pool.map(open_one, self.hosts), strict=True))
+
+    def errors(self) -> dict[str, SSHError]:
+        return {k: v for k, v in self.sessions.items() if isinstance(v, SSHError)}
+
+    def each(self, fn: Callable[[str, Session], T]) -> dict[str, T | SSHError]:
+        """Run fn(host, session) on every reachable host in parallel; failures become that host's SSHError."""
+
+        def one(item: tuple[str, Session | SSHError]) -> T | SSHError:
+            name, s = item
+            if isinstance(s, SSHError):
+                return s
+            try:
+                return fn(name, s)
+            except SSHError as exc:
+                return exc
+
+        return dict(zip(self.sessions, self._pool.map(one, self.sessions.items()), strict=True))
+
+    def close(self) -> None:
+        for s in self.sessions.values():
+            if isinstance(s, Session):
+                s.close()
+        self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> Sessions:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
