@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -89,7 +89,7 @@ class Topology(_Strict):
     mode: Literal["pd", "colocated"]
     launch: Literal["external-dp", "internal-dp"] = Field(
         "external-dp", description="external-dp: one `vllm serve` per DP rank; internal-dp: one per host")
-    share: dict[Literal["prefill", "decode"], int] = Field(
+    share: dict[Literal["prefill", "decode"], Annotated[int, Field(ge=1, le=64)]] = Field(
         default_factory=lambda: {"prefill": 1, "decode": 1}, description="how spare hosts split between roles")
     ports: Ports = Field(default_factory=Ports)
     proxy: Proxy | None = None
