@@ -72,6 +72,18 @@ def _hardware(v: str) -> str:
     return v
 
 
+def _known_version(v: str) -> str:
+    from kimictl.facts import version_profile
+
+    try:
+        version_profile(v)
+    except InventoryError as exc:  # pragma: no cover - version_profile raises InvalidInput
+        raise ValueError(exc.message) from None
+    except Exception as exc:
+        raise ValueError(str(getattr(exc, "message", exc)).removeprefix("kimi_vllm_ascend_version: ")) from None
+    return v
+
+
 def _command(v: str) -> str:
     if not re.match(r"^[A-Za-z0-9._/+@-]+(?: [A-Za-z0-9._/+@=-]+)*$", v):
         raise ValueError(f"'{v}' must be a command path with optional plain arguments")
@@ -138,7 +150,7 @@ class ClusterSettings(BaseModel):
     kimi_model_id: ModelId = "Eco-Tech/Kimi-K2.5-W4A8"
     kimi_model_endpoint: Url | None = None
     kimi_model_revision: Revision | None = None
-    kimi_vllm_ascend_version: str | None = None
+    kimi_vllm_ascend_version: Annotated[str, AfterValidator(_known_version)] | None = None
     kimi_runtime: Literal["container", "host"] = "container"
     kimi_proxy_host: str | None = None
     kimi_draft_model_dir: AbsPath | None = None
@@ -387,10 +399,12 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
     seen_dev: dict[str, str] = {}
     for h in hosts:
         line = c.host_line[h.name]
-        key = f"{h.ansible_host}:{h.ansible_vars.get('ansible_port', 22)}"
-        if key in seen_addr:
-            c.err(line, f"host {h.name}: ansible_host {h.ansible_host} is also host {seen_addr[key]}")
-        seen_addr.setdefault(key, h.name)
+        # One business IP per host: HCCL_IF_IP, the DP master address and the proxy's endpoints use it.
+        for addr in dict.fromkeys((h.ansible_host, h.ip)):
+            if addr in seen_addr and seen_addr[addr] != h.name:
+                c.err(line, f"host {h.name}: address {addr} is also host {seen_addr[addr]} "
+                            "(each host needs its own ansible_host / kimi_host_ip)")
+            seen_addr.setdefault(addr, h.name)
         try:
             ipaddress.ip_address(h.ansible_host)
         except ValueError:

@@ -387,7 +387,11 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
     # Per-role shape checks and HBM fit.
     fits: dict[str, MemoryFit] = {}
     role_cfg: dict[str, RoleConfig] = {}
+    heads = model_facts().text.num_attention_heads
     for role, spec in topo.roles.items():
+        if heads % spec.tp:
+            raise PlanError(f"role {role}: TP {spec.tp} does not divide the model's {heads} attention heads "
+                            "(vLLM refuses to start); use TP 1, 2, 4, 8 or 16")
         if spec.dp % spec.nodes:
             raise PlanError(f"role {role}: DP {spec.dp} does not split evenly over {spec.nodes} hosts")
         per_node = spec.dp // spec.nodes * spec.tp

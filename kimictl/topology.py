@@ -23,6 +23,25 @@ RESERVED_FLAGS = {
     "speculative-config", "model",
 }
 _FLAG = r"^[a-z0-9][a-z0-9-]*$"
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+# Serve flags kimictl reads for the plan (HBM fit, graph mode); their values must have vLLM's types.
+SERVE_TYPES: dict[str, tuple[Any, str]] = {
+    "gpu-memory-utilization": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
+                               "a fraction in (0, 1]"),
+    "max-model-len": (_positive_int, "a positive integer (tokens)"),
+    "max-num-batched-tokens": (_positive_int, "a positive integer"),
+    "max-num-seqs": (_positive_int, "a positive integer"),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "additional-config": (lambda v: isinstance(v, dict), "a mapping (it is rendered as JSON)"),
+    "compilation-config": (lambda v: isinstance(v, dict), "a mapping (it is rendered as JSON)"),
+}
+# Env values kimictl reads: HCCL_BUFFSIZE sizes the reserve in the HBM fit.
+ENV_TYPES = {"HCCL_BUFFSIZE": (lambda v: v.isdigit() and int(v) > 0, "a positive integer number of MiB")}
 _ENV = r"^[A-Z_][A-Z0-9_]*$"
 ServeValue = bool | int | float | str | dict[str, Any] | list[Any]
 
@@ -139,9 +158,11 @@ class Topology(_Strict):
 def _check_env(v: dict[str, str]) -> dict[str, str]:
     import re
 
-    for k in v:
+    for k, val in v.items():
         if not re.match(_ENV, k):
             raise ValueError(f"env name '{k}' must match {_ENV}")
+        if k in ENV_TYPES and not ENV_TYPES[k][0](val):
+            raise ValueError(f"env '{k}' is '{val}'; it must be {ENV_TYPES[k][1]}")
     return v
 
 
@@ -155,6 +176,9 @@ def _check_serve(v: dict[str, ServeValue]) -> dict[str, ServeValue]:
             raise ValueError(f"serve flag '{k}' must be lower-case words joined by '-'")
         if k in RESERVED_FLAGS:
             raise ValueError(f"serve flag '{k}' is computed by kimictl from the plan; remove it from the topology")
+        check = SERVE_TYPES.get(k)
+        if check and v[k] is not False and not check[0](v[k]):
+            raise ValueError(f"serve flag '{k}' is {v[k]!r}; it must be {check[1]}")
     return v
 
 
@@ -201,6 +225,10 @@ def _describe(err: dict, doc: Any, path: Path) -> str:
             break
     field = ".".join(str(p) for p in loc) or "(top level)"
     msg = err["msg"].removeprefix("Value error, ")
+    if isinstance(node, LineMap):  # point at the offending key inside a validated mapping
+        named = [k for k in node if f"'{k}'" in msg]
+        if named:
+            line = node.line_of(named[0])
     if err["type"] == "missing":
         msg = "required"
     elif err["type"].endswith("_type") or err["type"] == "literal_error":

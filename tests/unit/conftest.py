@@ -1,0 +1,30 @@
+"""Shared unit-test fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+
+def write_yaml(path: Path, data: Any) -> Path:
+    """Write python data as a block-style YAML file (keys in insertion order)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data, sort_keys=False, default_flow_style=False))
+    return path
+
+
+@pytest.fixture
+def inventory_factory(tmp_path: Path) -> Callable[..., Path]:
+    """`inventory_factory(data, name="inventory.yml")` writes `data` as YAML under tmp_path, returns the path.
+
+    Also fine for topology files: `inventory_factory(topo_dict, name="topo.yml")`.
+    """
+
+    def make(data: Any, name: str = "inventory.yml") -> Path:
+        return write_yaml(tmp_path / name, data)
+
+    return make
