@@ -132,6 +132,7 @@ KEYS: dict[str, Key] = {
     "kimi_nic": Key("both", "NIC for HCCL/GLOO/TP sockets (required on every host, directly or via all.vars)"),
     "kimi_state_dir": Key("both", "kimictl state directory on the host, default /var/lib/kimi"),
     "kimi_engine_command": Key("both", "engine command replacing `vllm` (e.g. a simulator), default vllm"),
+    "kimi_router_command": Key("both", "P/D router command on the proxy host, default vllm-router (pip package)"),
     "kimi_hardware": Key("host", "atlas-800-a2 or atlas-800-a3 (required)"),
     "kimi_role": Key("host", "prefill or decode: pins the host to a role"),
     "kimi_device_ips": Key("host", "NPU device IPs, one per NPU"),
@@ -182,6 +183,7 @@ class Host(BaseModel):
     kimi_host_ip: Annotated[str, AfterValidator(lambda v: str(ipaddress.ip_address(v)))] | None = None
     kimi_state_dir: AbsPath = "/var/lib/kimi"
     kimi_engine_command: Command | None = None
+    kimi_router_command: Command | None = None
     ansible_vars: dict[str, Any] = Field(default_factory=dict, exclude=True)
 
     @property
@@ -373,8 +375,8 @@ def load_inventory(path: Path | str) -> Inventory:
     for name in c.host_order:
         values, origins = c.merged(name)
         _check_key_names(c, {k: v for k, v in values.items() if origins[k].where != "all.vars"}, origins, False)
-        for k, v in c.all_vars.items():
-            if KEYS.get(k) and KEYS[k].scope in ("both", "host"):
+        for k, v in c.all_vars.items():  # all.vars is the lowest precedence for every host
+            if not k.startswith("kimi_") or KEYS.get(k, Key("cluster", "")).scope in ("both", "host"):
                 values.setdefault(k, v)
                 origins.setdefault(k, c.all_origin[k])
         fields = {k: v for k, v in values.items() if k in KEYS and KEYS[k].scope in ("host", "both")}

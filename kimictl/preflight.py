@@ -203,12 +203,23 @@ def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_
     # resources
     df = p.text("df").splitlines()
     free = int(df[-1].split()[3]) if p.rc("df") == 0 and len(df) >= 2 else 0
-    staged = p.rc("complete") == 0
-    want = int(need_bytes * DISK_HEADROOM)
-    label = "checkpoint" if exact else "checkpoint (estimate from model facts)"
-    j.add("RES-001", h.name, staged or free >= want,
-          f"checkpoint already staged at {inv.cluster.kimi_model_dir}" if staged else
-          f"{free / 2**30:.1f} GiB free for the {label} of {need_bytes / 2**30:.1f} GiB (+5%)")
+    model_lines = p.text("model").splitlines() if p.rc("model") == 0 else []
+    present = int(model_lines[0].split()[0]) if model_lines and model_lines[0].split()[0].isdigit() else 0
+    names = set(model_lines[1:])
+    has_ckpt = "config.json" in names and any(n.endswith(".safetensors") for n in names)
+    if p.rc("complete") == 0:
+        j.add("RES-001", h.name, True, f"checkpoint staged and verified at {inv.cluster.kimi_model_dir}")
+    elif inv.cluster.kimi_model_source == "local":
+        j.add("RES-001", h.name, has_ckpt,
+              f"local checkpoint at {inv.cluster.kimi_model_dir}: {present / 2**30:.2f} GiB" if has_ckpt else
+              f"kimi_model_source is local but {inv.cluster.kimi_model_dir} holds no checkpoint "
+              "(config.json and *.safetensors)")
+    else:
+        need = max(0, int(need_bytes * DISK_HEADROOM) - present)
+        label = "checkpoint" if exact else "checkpoint (estimate from model facts)"
+        j.add("RES-001", h.name, free >= need,
+              f"{free / 2**30:.1f} GiB free; the {label} of {need_bytes / 2**30:.1f} GiB (+5%) needs "
+              f"{need / 2**30:.1f} GiB more")
     mem = ascend.parse_kv(p.text("meminfo"))
     total_gib = int(re.sub(r"\D", "", mem.get("MemTotal", "0")) or 0) / 2**20
     j.add("RES-002", h.name, total_gib >= MIN_HOST_MEMORY_GIB, f"{total_gib:.0f} GiB host memory")

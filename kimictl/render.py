@@ -202,10 +202,11 @@ def container_spec(plan: Plan, inv: Inventory, e: Engine) -> dict[str, Any]:
     }
 
 
-def proxy_argv(plan: Plan) -> list[str]:
+def proxy_argv(plan: Plan, inv: Inventory) -> list[str]:
     p = plan.proxy
     assert p is not None
-    argv = ["vllm-router", "--host", "0.0.0.0", "--port", str(p.port), "--policy", p.policy,
+    router = shlex.split(inv.host(p.host).kimi_router_command or "vllm-router")
+    argv = [*router, "--host", "0.0.0.0", "--port", str(p.port), "--policy", p.policy,
             "--vllm-pd-disaggregation"]
     for ep in p.prefill:
         argv += ["--prefill", f"http://{ep.ip}:{ep.port}"]
@@ -280,7 +281,7 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
     proxy = None
     if plan.proxy:
         p = plan.proxy
-        argv = proxy_argv(plan)
+        argv = proxy_argv(plan, inv)
         proxy = RenderedProxy(
             host=p.ip, host_name=p.host, port=p.port, router=p.router,
             prefill=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.prefill],

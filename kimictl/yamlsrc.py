@@ -54,7 +54,7 @@ def load_yaml(path: Path, what: str) -> Any:
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"cannot read {what} {path}: {exc}") from None
     try:
-        return yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+        return yaml.load(text, Loader=_LineLoader)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}" if mark else str(path)

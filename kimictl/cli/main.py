@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kimictl.cli import preflight, static
+from kimictl.cli import deploy, preflight, sandbox, static
 
 app = typer.Typer(
     name="kimictl",
@@ -20,6 +20,8 @@ app.command()(static.plan)
 app.command()(static.render)
 app.command()(static.schema)
 app.command()(preflight.preflight)
+app.command()(deploy.deploy)
+app.add_typer(sandbox.app, name="sandbox")
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from kimictl.cli.common import Output, OutputOpt, emit_json, handle_errors, stderr_console
+from kimictl.errors import InvalidInput
 
 app = typer.Typer(help="Local simulated Atlas 800 A2/A3 cluster (network namespaces + sshd + tool doubles).",
                   no_args_is_help=True)
@@ -31,12 +32,17 @@ def up(
     name: Annotated[str, typer.Option("--name", help="kimi_cluster name written to the inventory.")] = "sandbox",
     mode: Annotated[str | None, typer.Option("--mode", help="Force netns or loopback (default: netns if possible).",
                                              hidden=True)] = None,
+    checkpoint_mib: Annotated[int, typer.Option("--checkpoint-mib", help="Size of the generated local checkpoint "
+                                                "put on every host (0: none).")] = 64,
     output: OutputOpt = Output.text,
 ) -> None:
     """Create N fake Atlas hosts reachable over SSH and write DIR/inventory.yml."""
     from kimictl.sandbox.cluster import Sandbox
 
-    res = Sandbox(directory, _log).up(hosts, hardware, cluster=name, faults=fault or [], mode=mode)
+    if checkpoint_mib < 0:
+        raise InvalidInput(f"--checkpoint-mib {checkpoint_mib} must be >= 0")
+    res = Sandbox(directory, _log).up(hosts, hardware, cluster=name, faults=fault or [], mode=mode,
+                                      checkpoint_bytes=checkpoint_mib * 2**20)
     st = res.state
     if output == Output.json:
         emit_json({"schema_version": 1, "already_up": res.already_up, "seconds": round(res.seconds, 2),
@@ -79,8 +85,8 @@ def status(directory: DirOpt = DEFAULT_DIR, output: OutputOpt = Output.text) -> 
     elif doc["state"] == "absent":
         typer.echo(f"no sandbox in {doc['dir']}")
     else:
-        typer.echo(f"sandbox {doc['cluster']}: {doc['state']} ({len(doc['hosts'])} x {doc['hardware']}, "
-                   f"{doc['mode']} mode, {doc['dir']})")
+        typer.echo(f"sandbox '{doc['cluster']}' is {doc['state']}: {len(doc['hosts'])} x {doc['hardware']}, "
+                   f"{doc['mode']} mode, {doc['dir']}")
         for h in doc["hosts"]:
             faults = f"  faults: {', '.join(h['faults'])}" if h["faults"] else ""
             typer.echo(f"  {h['name']:<10} {h['state']:<5} {h['ip']}:{h['port']}{faults}")

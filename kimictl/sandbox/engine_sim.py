@@ -1953,7 +1953,8 @@ def run(argv: list[str], env: dict[str, str]) -> int:
         kv_role = (args.kv_transfer_config or {}).get("kv_role")
         role = ROLE_OF_KV_ROLE.get(kv_role, "colocated")
         faults = load_faults(state_dir)
-        if fault_applies(faults, "engine_crash_at_start", role):
+        spared = env.get("KIMICTL_TAG") in (faults.get("engine_crash_spare_tags") or [])
+        if fault_applies(faults, "engine_crash_at_start", role) and not spared:
             raise SimError(
                 f"RuntimeError: Engine core initialization failed. Failed core proc(s): "
                 f"{{'EngineCore_DP{args.data_parallel_rank or 0}': 1}} (simulated fault "

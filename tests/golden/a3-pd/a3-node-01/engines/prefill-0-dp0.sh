@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # prefill-0-dp0 on a3-node-01: the engine command, run on the host or inside the container.
-# Rendered by kimictl for cluster kimi-a3, topology a3-pd; do not edit.
+# Rendered by kimictl for cluster kimi-a3; do not edit.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 set -a

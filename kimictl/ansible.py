@@ -1,0 +1,139 @@
+"""Run playbooks with ansible-runner: build the run spec (pure), run it, report per-host results from events."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kimictl.resources import playbooks_dir
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything one ansible-runner invocation needs; built without side effects so tests compare it."""
+
+    private_data_dir: str
+    playbook: str
+    inventory: str
+    extravars: dict[str, Any]
+    ident: str
+    limit: str | None
+    forks: int
+    envvars: dict[str, str]
+    cmdline: str | None = None
+
+
+def build_run_spec(run_dir: Path, playbook: str, inventory: Path, extravars: dict[str, Any], *, ident: str,
+                   hosts: list[str], limit: list[str] | None = None, check: bool = False) -> RunSpec:
+    control = run_dir / "cp"
+    return RunSpec(
+        private_data_dir=str(run_dir / "ansible"),
+        playbook=str(playbooks_dir() / playbook),
+        inventory=str(Path(inventory).resolve()),
+        extravars=extravars,
+        ident=ident,
+        limit=",".join(limit) if limit else None,
+        forks=max(5, len(hosts)),
+        envvars={
+            "ANSIBLE_HOST_KEY_CHECKING": "True",
+            "ANSIBLE_PIPELINING": "True",
+            # Multiplexed SSH: sockets in a directory kimictl owns and closes when the deploy ends.
+            "ANSIBLE_SSH_CONTROL_PATH_DIR": str(control),
+            "ANSIBLE_SSH_ARGS": "-C -o ControlMaster=auto -o ControlPersist=120s",
+            "ANSIBLE_RETRY_FILES_ENABLED": "False",
+            "ANSIBLE_DEPRECATION_WARNINGS": "False",
+            "ANSIBLE_LOCALHOST_WARNING": "False",
+            "ANSIBLE_PYTHON_INTERPRETER": "auto_silent",
+        },
+        cmdline="--check --diff" if check else None,
+    )
+
+
+@dataclass
+class HostFailure:
+    host: str
+    task: str
+    message: str
+
+
+@dataclass
+class PlaybookResult:
+    status: str
+    rc: int
+    failures: list[HostFailure] = field(default_factory=list)
+    changed: dict[str, int] = field(default_factory=dict)
+    artifacts: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "successful" and self.rc == 0 and not self.failures
+
+
+def _failure_message(res: dict[str, Any]) -> str:
+    parts = [str(res.get("msg") or "")]
+    for key in ("stderr", "stdout"):
+        text = (res.get(key) or "").strip()
+        if text:
+            parts.append(f"{key}: {text[-800:]}")
+    return "\n".join(p for p in parts if p).strip() or json.dumps(res)[:800]
+
+
+def run_playbook(spec: RunSpec, on_event: Callable[[str, str, str], None] | None = None) -> PlaybookResult:
+    """Run one playbook; on_event(host, task, status) is called for each task result."""
+    import ansible_runner
+
+    failures: list[HostFailure] = []
+    changed: dict[str, int] = {}
+
+    def handler(event: dict[str, Any]) -> bool:
+        kind = event.get("event", "")
+        data = event.get("event_data", {})
+        host, task = data.get("host", ""), data.get("task", "")
+        status = {"runner_on_ok": "ok", "runner_on_failed": "failed", "runner_on_unreachable": "unreachable",
+                  "runner_on_skipped": "skipped", "runner_on_start": "start"}.get(kind)
+        if status is None:
+            return True
+        res = data.get("res") or {}
+        if status == "ok" and res.get("changed"):
+            status = "changed"
+            changed[host] = changed.get(host, 0) + 1
+        if status in ("failed", "unreachable") and not data.get("ignore_errors"):
+            failures.append(HostFailure(host, task, _failure_message(res)))
+        if on_event:
+            on_event(host, task, status)
+        return True
+
+    Path(spec.private_data_dir).mkdir(parents=True, exist_ok=True)
+    # Use the ansible-playbook that belongs to this interpreter (a venv's bin is often not on PATH).
+    bindir = str(Path(sys.executable).parent)
+    if (Path(bindir) / "ansible-playbook").exists() and bindir not in os.environ.get("PATH", "").split(":"):
+        os.environ["PATH"] = f"{bindir}:{os.environ.get('PATH', '')}"
+    runner = ansible_runner.run(
+        private_data_dir=spec.private_data_dir, playbook=spec.playbook, inventory=spec.inventory,
+        extravars=spec.extravars, ident=spec.ident, limit=spec.limit, forks=spec.forks, envvars=spec.envvars,
+        cmdline=spec.cmdline, event_handler=handler, quiet=True, suppress_env_files=False,
+    )
+    if runner.status != "successful" and not failures:
+        out = ""
+        with contextlib.suppress(OSError, AttributeError):
+            out = runner.stdout.read()
+        failures.append(HostFailure("", "ansible-playbook", out.strip()[-1500:] or f"status {runner.status}"))
+    return PlaybookResult(status=runner.status, rc=runner.rc if runner.rc is not None else 1, failures=failures,
+                          changed=changed, artifacts=os.path.join(spec.private_data_dir, "artifacts", spec.ident))
+
+
+def close_control_masters(run_dir: Path) -> None:
+    """ControlPersist masters outlive ansible-playbook; end the ones this run opened."""
+    cp = run_dir / "cp"
+    if not cp.is_dir():
+        return
+    for sock in cp.iterdir():
+        subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "kimictl-control-master"],
+                       capture_output=True, timeout=10, check=False)

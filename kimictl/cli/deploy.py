@@ -1,0 +1,80 @@
+"""`kimictl deploy`: converge hosts to the plan (preflight, release, engines, proxy, smoke, switch)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+
+from kimictl.cli.common import (
+    InventoryOpt,
+    Output,
+    OutputOpt,
+    TopologyOpt,
+    emit_json,
+    handle_errors,
+    stderr_console,
+)
+
+
+@handle_errors
+def deploy(
+    inventory: InventoryOpt,
+    topology: TopologyOpt,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    check: Annotated[bool, typer.Option("--check", help="Show what would change; change nothing.")] = False,
+    diff: Annotated[bool, typer.Option("--diff", help="With --check: show file diffs of changed engines.")] = False,
+    limit: Annotated[list[str] | None, typer.Option("--limit", help="Only these hosts (repeatable).")] = None,
+    skip_preflight: Annotated[str | None, typer.Option("--skip-preflight", metavar="REASON",
+                                                       help="Skip preflight; the reason is printed.")] = None,
+    skip_weights: Annotated[bool, typer.Option("--skip-weights", help="Do not stage weights.")] = False,
+    ready_timeout: Annotated[float | None, typer.Option("--ready-timeout",
+                                                        help="Seconds to wait for engines to load.")] = None,
+    accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys")] = False,
+    output: OutputOpt = Output.text,
+) -> None:
+    """Converge the hosts to the plan and start prefill/decode engines and the P/D proxy."""
+    from kimictl.deploy import Deployer, DeployOptions, change_diffs
+    from kimictl.pipeline import prepare
+    from kimictl.render import render
+
+    err = stderr_console()
+    p = prepare(inventory, topology, limit)
+    rendered = render(p.plan, p.inventory, p.topology)
+    if skip_preflight is not None:
+        err.print(f"[yellow]preflight skipped: {skip_preflight}[/]")
+    if not skip_weights:
+        err.print("[dim]weights: staging is not part of deploy yet; engines load what is in kimi_model_dir[/]")
+    interactive = sys.stdin.isatty() and sys.stderr.isatty()
+    if not check and not yes and interactive:
+        typer.confirm(f"Deploy {p.plan.topology} to {len(p.inventory.hosts)} host(s) of {p.plan.cluster}?",
+                      abort=True, err=True)
+
+    def say(msg: str) -> None:
+        err.print(f"[cyan]deploy[/] {msg}", highlight=False)
+
+    def on_event(host: str, task: str, status: str) -> None:
+        if status in ("changed", "failed", "unreachable"):
+            style = {"changed": "yellow", "failed": "bold red", "unreachable": "bold red"}[status]
+            err.print(f"  [{style}]{status:>11}[/] {host}: {task}", highlight=False)
+
+    opts = DeployOptions(check=check, skip_preflight=skip_preflight, limit=limit, ready_timeout=ready_timeout,
+                         accept_new_host_keys=accept_new_host_keys)
+    result = Deployer(p.inventory, p.plan, rendered, opts, say, on_event).run()
+    diffs = change_diffs(p.inventory, rendered, result.changes) if check and diff else {}
+    if output == Output.json:
+        emit_json({**result.to_json(), "diffs": diffs})
+        return
+    todo = [c for c in result.changes if c.action != "keep"]
+    if result.result == "check":
+        typer.echo(f"check: {len(todo)} change(s) for release {result.release}" if todo else "check: no changes")
+        for c in todo:
+            typer.echo(f"  {c.action:<8} {c.host}: {c.id}")
+        for text in diffs.values():
+            typer.echo(text)
+    elif result.result == "no-changes":
+        typer.echo(f"no changes: release {result.release} is running on every host")
+    else:
+        typer.echo(f"deployed release {result.release}: {len(todo)} change(s); smoke {result.smoke}")
+        typer.echo(f"run directory: {result.run_dir}")

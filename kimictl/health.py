@@ -1,0 +1,94 @@
+"""HTTP probes of engines and the proxy: readiness (/health + /v1/models), /metrics counters, completions."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+# Counters that prove a completion went prefill -> decode (vLLM's own names; the simulator exports them too).
+PREFILL_COUNTER = "vllm:prompt_tokens"
+DECODE_COUNTER = "vllm:external_prefix_cache_queries"
+GENERATION_COUNTER = "vllm:generation_tokens"
+
+
+@dataclass
+class Ready:
+    ok: bool
+    detail: str
+
+
+def http_get(url: str, timeout: float = 3.0, api_key: str | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        reason = getattr(exc, "reason", exc)
+        return 0, str(reason)
+
+
+def http_post_json(url: str, body: dict[str, Any], timeout: float = 60.0,
+                   api_key: str | None = None) -> tuple[int, Any]:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            text = r.read().decode(errors="replace")
+            status = r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError, TimeoutError) as exc:
+        return 0, str(getattr(exc, "reason", exc))
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def engine_ready(ip: str, port: int, served_name: str, timeout: float = 3.0) -> Ready:
+    """Model-aware readiness: /health is 200 and /v1/models lists the served model name."""
+    code, text = http_get(f"http://{ip}:{port}/health", timeout)
+    if code != 200:
+        return Ready(False, f"/health {code or 'unreachable'}: {text[:120]}")
+    code, text = http_get(f"http://{ip}:{port}/v1/models", timeout)
+    if code != 200:
+        return Ready(False, f"/v1/models {code}")
+    try:
+        names = [m.get("id") for m in json.loads(text).get("data", [])]
+    except (ValueError, AttributeError):
+        return Ready(False, "/v1/models is not JSON")
+    if served_name not in names:
+        return Ready(False, f"/v1/models lists {names}, not {served_name}")
+    return Ready(True, "ready")
+
+
+def metric_totals(ip: str, port: int, timeout: float = 3.0) -> dict[str, float]:
+    """Sum of each counter/gauge family over its labels (prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    code, text = http_get(f"http://{ip}:{port}/metrics", timeout)
+    if code != 200:
+        return {}
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.endswith(("_bucket", "_created")):
+                continue
+            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+            if s.name.endswith("_total"):  # counters: also under the family name
+                out[fam.name] = out.get(fam.name, 0.0) + float(s.value)
+    return out
+
+
+def smoke_prompt(words: int = 400) -> str:
+    """A long, deterministic prompt so prefill has real work and several KV blocks to hand over."""
+    base = ("Kimi K2.5 serves on Atlas hosts with prefill and decode split across engines; the decode side pulls "
+            "the KV cache of this prompt from the prefill side before it generates. ").split()
+    return " ".join(base[i % len(base)] for i in range(words))

@@ -1,0 +1,877 @@
+"""Bring a simulated Atlas cluster up and down: namespaces, sshd per host, doubles, faults, client files."""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from kimictl.errors import HostError, InvalidInput, KimictlError
+from kimictl.sandbox import client, layout, system
+from kimictl.sandbox.faults import Fault, apply_to_doc, parse_fault
+from kimictl.sandbox.layout import HARDWARE, HostSpec, Names
+
+Log = Callable[[str], None]
+SLOTS_DIR = Path("/var/tmp/kimictl-sandbox.slots")
+SLOT_GRACE_S = 120
+CLUSTER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# the fake hosts mount over these, so the sandbox directory must not live below them
+FORBIDDEN_DIR_PARENTS = ("/var/lib", "/opt", "/usr/local", "/etc", "/run", "/root", "/proc", "/sys", "/dev")
+PRIVATE_DIRS = ("/var/lib", "/opt", "/usr/local", "/etc")
+SINGLE_VALUED = ("driver-mismatch", "small-disk", "slow-link")
+READY_TIMEOUT = 20.0
+PKG_DIR = Path(__file__).resolve().parent
+
+# port-taken: a listener that dies with its launcher (PDEATHSIG) so killing the launcher frees the port
+LISTENER = """
+import ctypes, signal, socket, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[2], int(sys.argv[1])))
+s.listen(16)
+signal.pause()
+"""
+
+
+DEFAULT_CHECKPOINT_BYTES = 64 * 2**20
+CHECKPOINT_SHARDS = 8
+
+
+def _quiet(_msg: str) -> None:
+    """Default progress sink."""
+
+
+class HostState(BaseModel):
+    """Runtime state of one fake host."""
+
+    name: str
+    index: int
+    ip: str
+    port: int
+    device_ips: list[str]
+    netns: str | None = None
+    state_dir: str | None = None
+    launcher_pid: int | None = None
+    launcher_started: str | None = None
+    listeners: dict[str, tuple[int, str]] = Field(default_factory=dict)   # port-taken: port -> (pid, start)
+
+
+class SandboxState(BaseModel):
+    """D/sandbox.json: everything `down`, `status` and `fault` need."""
+
+    schema_version: int = 1
+    status: Literal["creating", "up"]
+    mode: Literal["netns", "loopback"]
+    cluster: str
+    hardware: str
+    slot: int
+    dir: str
+    created: float
+    hosts: list[HostState]
+    faults: list[str] = Field(default_factory=list)
+    # engine-crash spares the releases running when it was injected: it models a bad *new* release
+    spare_tags: dict[str, list[str]] = Field(default_factory=dict)
+
+
+@dataclass
+class UpResult:
+    """What `up` did."""
+
+    state: SandboxState
+    already_up: bool
+    seconds: float
+    inventory: Path
+
+
+def _write(path: Path, text: str, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.chmod(mode)
+    tmp.replace(path)
+
+
+def _install_script(src: Path, dst: Path) -> None:
+    """Copy a stdlib-only Python script as an executable run by the hosts' /usr/bin/python3."""
+    body = src.read_text()
+    if body.startswith("#!"):
+        body = body.split("\n", 1)[1] if "\n" in body else ""
+    _write(dst, "#!/usr/bin/python3\n" + body, 0o755)
+
+
+def validate_dir(directory: Path) -> Path:
+    """Absolute sandbox dir, not under a path the fake hosts mount over."""
+    d = directory.expanduser().absolute()
+    for parent in FORBIDDEN_DIR_PARENTS:
+        if str(d) == parent or str(d).startswith(parent + "/"):
+            raise InvalidInput(f"--dir {d} is under {parent}, which every fake host mounts over",
+                               hint="use a directory such as /var/tmp/kimictl-sandbox")
+    return d
+
+
+class Sandbox:
+    """One sandbox directory and the kernel objects and processes it owns."""
+
+    def __init__(self, directory: Path, log: Log = _quiet):
+        self.dir = validate_dir(directory)
+        self.log = log
+
+    # ---- state -------------------------------------------------------------------------------
+    @property
+    def state_path(self) -> Path:
+        return self.dir / "sandbox.json"
+
+    def load(self) -> SandboxState | None:
+        try:
+            return SandboxState.model_validate_json(self.state_path.read_text())
+        except FileNotFoundError:
+            return None
+        except ValueError as exc:
+            raise KimictlError(f"unreadable sandbox state {self.state_path}: {exc}",
+                               hint="`kimictl sandbox down` removes leftovers by name") from None
+
+    def save(self, state: SandboxState) -> None:
+        _write(self.state_path, state.model_dump_json(indent=2) + "\n")
+
+    def specs(self, state: SandboxState) -> list[HostSpec]:
+        return layout.plan_hosts(len(state.hosts), state.hardware, state.mode, state.slot, self.dir)
+
+    # ---- up ----------------------------------------------------------------------------------
+    def up(self, n: int, hardware: str, *, cluster: str = "sandbox", faults: list[str] | None = None,
+           mode: str | None = None, checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES) -> UpResult:
+        """Bring an n-host sandbox up (or report that an identical one already runs).
+
+        Raises:
+            InvalidInput: bad host count, hardware, name or fault spec (nothing was changed).
+            KimictlError: the sandbox could not be built; whatever was made is torn down again.
+        """
+        t0 = time.monotonic()
+        if not 1 <= n <= layout.MAX_HOSTS:
+            raise InvalidInput(f"--hosts {n} is out of range; expected 1..{layout.MAX_HOSTS}")
+        if hardware not in HARDWARE:
+            raise InvalidInput(f"invalid --hardware '{hardware}'; expected one of {', '.join(HARDWARE)}")
+        if not CLUSTER_NAME.match(cluster):
+            raise InvalidInput(f"invalid --name '{cluster}'; expected [a-z0-9][a-z0-9-]{{0,62}}")
+        if mode not in (None, "netns", "loopback"):
+            raise InvalidInput(f"invalid mode '{mode}'; expected netns or loopback")
+        names = [layout.host_name(i) for i in range(1, n + 1)]
+        parsed = [parse_fault(s, names, HARDWARE[hardware].npus) for s in faults or []]
+
+        old = self.load()
+        if old is not None:
+            same = (old.status == "up" and len(old.hosts) == n and old.hardware == hardware
+                    and old.cluster == cluster and (mode is None or mode == old.mode))
+            if same and self._all_running(old):
+                self.log(f"sandbox in {self.dir} is already up ({n} x {hardware}, {old.mode} mode)")
+                for f in parsed:
+                    self.apply(f)
+                return UpResult(self.load() or old, True, time.monotonic() - t0, self.dir / "inventory.yml")
+            if old.status == "up" and not same:
+                raise InvalidInput(
+                    f"a different sandbox is up in {self.dir} ({len(old.hosts)} x {old.hardware}, "
+                    f"name {old.cluster})", hint=f"run `kimictl sandbox down --dir {self.dir}` first")
+            self.log(f"cleaning up a broken sandbox in {self.dir}")
+            self.down()
+
+        system.ensure_packages(self.log)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if mode in (None, "netns"):
+            ok, why = system.namespaces_usable(self.dir / ".probe")
+            if not ok and mode == "netns":
+                raise KimictlError(f"netns mode is not possible here: {why}")
+            if not ok:
+                self.log(f"network namespaces are not usable ({why}); "
+                         "falling back to loopback mode: one sshd per host on 127.10.x.y ports")
+            mode = "netns" if ok else "loopback"
+        slot = self._claim_slot()
+        hosts = layout.plan_hosts(n, hardware, mode, slot, self.dir)
+        state = SandboxState(
+            status="creating", mode=mode, cluster=cluster, hardware=hardware, slot=slot, dir=str(self.dir),
+            created=time.time(),
+            hosts=[HostState(name=h.name, index=h.index, ip=h.ip, port=h.port, device_ips=h.device_ips,
+                             netns=h.netns, state_dir=h.state_dir) for h in hosts])
+        self.save(state)   # written first so `down` can find leftovers if we crash midway
+        try:
+            self.log(f"creating {n} x {hardware} hosts ({mode} mode) in {self.dir}")
+            self._client_key()
+            ckpt = self._checkpoint(checkpoint_bytes) if checkpoint_bytes and mode == "netns" else None
+            with ThreadPoolExecutor(max_workers=min(16, n)) as pool:
+                list(pool.map(lambda h: self._prepare_host(h, state, ckpt), hosts))
+            if mode == "loopback":   # hosts share the filesystem: one engine command for all
+                self._install_engine(self.dir / "bin" / "vllm", warn=True)
+            if mode == "netns":
+                _write(self.dir / "etc_hosts", layout.etc_hosts(hosts, Names(slot).controller_ip))
+                self._create_network(state, hosts)
+            for h, hs in zip(hosts, state.hosts, strict=True):
+                self._launch(h, hs, state)
+            self.save(state)
+            self._write_client_files(state, hosts)
+            self._wait_ready(state, hosts)
+            state.status = "up"
+            self.save(state)
+            for f in parsed:
+                self.apply(f)
+        except BaseException:
+            self.log("up failed; removing what was created")
+            try:
+                self.down()
+            except KimictlError as exc:
+                self.log(f"cleanup after the failed up also failed: {exc.message}")
+            raise
+        return UpResult(self.load() or state, False, time.monotonic() - t0, self.dir / "inventory.yml")
+
+    def _all_running(self, state: SandboxState) -> bool:
+        down = {parse_fault(s).host for s in state.faults if s.startswith("host-down:")}
+        return all(h.name in down or system.alive(h.launcher_pid, h.launcher_started) for h in state.hosts)
+
+    def _claim_slot(self) -> int:
+        """A slot (subnets + name prefix) no other sandbox or leftover uses; recorded in SLOTS_DIR."""
+        try:
+            SLOTS_DIR.mkdir(parents=True, exist_ok=True)
+            if os.geteuid() == 0:
+                SLOTS_DIR.chmod(0o1777)   # like /tmp: a non-root loopback sandbox may register too
+        except OSError as exc:
+            raise KimictlError(f"cannot use the sandbox slot registry {SLOTS_DIR}: {exc.strerror}") from None
+        taken = [*system.netns_list(), *system.links()] if os.geteuid() == 0 else []
+        for s in range(layout.MAX_SLOTS):
+            rec = SLOTS_DIR / str(s)
+            if rec.exists():
+                owner = Path(rec.read_text().strip() or "/nonexistent")
+                # ours from a crash, or its owner is gone (a young record may belong to an `up` in progress)
+                if owner == self.dir or (not (owner / "sandbox.json").exists()
+                                         and time.time() - rec.stat().st_mtime > SLOT_GRACE_S):
+                    rec.unlink(missing_ok=True)
+                else:
+                    continue
+            prefix = Names(s).prefix
+            if any(t.startswith((prefix + "-", prefix + "b", prefix + "h")) for t in taken):
+                continue
+            if os.geteuid() != 0 and system.port_open(Names(s).host_ip(1, "loopback"),
+                                                      Names(s).ssh_port(1, "loopback"), 0.2):
+                continue   # without root we cannot list links: a busy ssh port means the slot is used
+            try:
+                fd = _create_exclusive(rec)
+            except FileExistsError:
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(str(self.dir) + "\n")
+            return s
+        raise KimictlError(f"all {layout.MAX_SLOTS} sandbox slots are in use",
+                           details=[f"{p}: {p.read_text().strip()}" for p in sorted(SLOTS_DIR.iterdir())],
+                           hint="tear one down with `kimictl sandbox down --dir DIR`")
+
+    def _client_key(self) -> None:
+        key = self.dir / "id_ed25519"
+        if not key.exists():
+            system.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kimictl-sandbox", "-f", str(key)])
+        shutil.copyfile(key.with_suffix(".pub"), self.dir / "authorized_keys")
+        client.control_dir(self.dir).mkdir(mode=0o700, exist_ok=True)
+
+    def _checkpoint(self, size: int) -> Path:
+        """A small Kimi-shaped W4A8 checkpoint, generated once per sandbox dir (deterministic)."""
+        from kimictl.weights.checkpoint import generate_checkpoint
+
+        dest = self.dir / "checkpoint"
+        stamp = self.dir / "checkpoint.json"
+        want = {"bytes": size, "shards": CHECKPOINT_SHARDS}
+        if not (stamp.exists() and json.loads(stamp.read_text()).get("spec") == want):
+            self.log(f"generating a {size / 2**20:.0f} MiB Kimi-shaped checkpoint in {dest}")
+            files = generate_checkpoint(dest, total_bytes=size, num_shards=CHECKPOINT_SHARDS)
+            _write(stamp, json.dumps({"spec": want, "files": files}, indent=1) + "\n")
+        return dest
+
+    def _prepare_host(self, h: HostSpec, state: SandboxState, checkpoint: Path | None = None) -> None:
+        """Host keys, sshd config, boot script and the files the doubles and tools read."""
+        if h.dir.exists():
+            shutil.rmtree(h.dir)
+        h.dir.mkdir(parents=True)
+        system.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.name, "-f",
+                    str(h.dir / "ssh_host_ed25519_key")])
+        netns = state.mode == "netns"
+        # where "/usr/local", "/etc", "/opt", "/var/lib" of this host are written before it boots
+        if netns:
+            roots = {d: h.dir / "ovl" / d.strip("/").replace("/", "_") / "upper" for d in PRIVATE_DIRS}
+            for d in PRIVATE_DIRS:
+                (roots[d].parent / "work").mkdir(parents=True)
+                roots[d].mkdir(parents=True)
+            ascend_root = layout.ASCEND_ROOT
+        else:
+            roots = {d: h.root / d.strip("/") for d in PRIVATE_DIRS}
+            ascend_root = str(roots["/usr/local"] / "Ascend")
+        usr_local, etc = roots["/usr/local"], roots["/etc"]
+        sim = h.sim_dir
+        (sim / "claims").mkdir(parents=True)
+        _write(sim / "host.json", json.dumps(layout.host_json(h, state.hardware, ascend_root=ascend_root),
+                                             indent=2) + "\n")
+        _write(sim / "faults.json", "{}\n")
+        if netns:
+            (roots["/var/lib"] / "kimi-sim").mkdir()
+            (roots["/var/lib"] / "kimi" / "models").mkdir(parents=True)
+            if checkpoint is not None:  # kimi_model_source local: the checkpoint is already on every host
+                shutil.copytree(checkpoint, roots["/var/lib"] / layout.MODEL_DIR.removeprefix("/var/lib/"))
+        else:
+            Path(h.state_dir or h.dir / "state").mkdir(parents=True, exist_ok=True)
+        _install_script(PKG_DIR / "doubles" / "npu_smi.py", usr_local / "bin" / "npu-smi")
+        _install_script(PKG_DIR / "doubles" / "hccn_tool.py", usr_local / "Ascend/driver/tools/hccn_tool")
+        _write(usr_local / "Ascend/driver/version.info", layout.driver_version_info())
+        _write(usr_local / "Ascend/firmware/version.info", layout.firmware_version_info())
+        arch = platform.machine() or "x86_64"
+        tk = usr_local / "Ascend/ascend-toolkit"
+        _write(tk / layout.CANN_VERSION / f"{arch}-linux" / "ascend_toolkit_install.info",
+               layout.toolkit_install_info(arch))
+        (tk / "latest").symlink_to(layout.CANN_VERSION)
+        _write(tk / "set_env.sh", "export ASCEND_TOOLKIT_HOME=/usr/local/Ascend/ascend-toolkit/latest\n"
+                                  "export ASCEND_HOME_PATH=$ASCEND_TOOLKIT_HOME\n")
+        _write(etc / "ascend_install.info", layout.ASCEND_INSTALL_INFO)
+        _write(etc / "hccn.conf", layout.hccn_conf(h.device_ips))
+        if netns:
+            self._install_engine(roots["/opt"] / "kimi-sim/bin/vllm", warn=h.index == 1)
+        env = {} if netns else {"KIMI_SIM_DIR": str(sim),
+                                "PATH": f"{usr_local / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
+                                        "/sbin:/bin"}
+        _write(h.dir / "sshd_config", sshd_config(h, self.dir, env))
+        _write(h.dir / "boot.sh", boot_script(h, self.dir, state.mode), 0o755)
+
+    def _install_engine(self, dst: Path, *, warn: bool) -> None:
+        engine = PKG_DIR / "engine_sim.py"
+        if engine.exists():
+            _install_script(engine, dst)
+        elif warn:
+            self.log(f"warning: {engine} does not exist yet; the engine command is not installed")
+
+    def _create_network(self, state: SandboxState, hosts: list[HostSpec]) -> None:
+        names = Names(state.slot)
+        batch = [f"link add {names.control_bridge} type bridge",
+                 f"addr add {names.controller_ip}/24 dev {names.control_bridge}",
+                 f"link set {names.control_bridge} up",
+                 f"link add {names.device_bridge} type bridge",
+                 f"link set {names.device_bridge} up"]
+        for h in hosts:
+            vc, vd = names.veth_control(h.index), names.veth_device(h.index)
+            batch += [f"netns add {h.netns}",
+                      f"link add {vc} type veth peer name {layout.CONTROL_NIC} netns {h.netns}",
+                      f"link set {vc} master {names.control_bridge} up",
+                      f"link add {vd} type veth peer name {layout.DEVICE_NIC} netns {h.netns}",
+                      f"link set {vd} master {names.device_bridge} up"]
+        system.run(["ip", "-batch", "-"], input="\n".join(batch) + "\n")
+        for h in hosts:
+            inner = ["link set lo up", f"addr add {h.ip}/24 dev {layout.CONTROL_NIC}",
+                     f"link set {layout.CONTROL_NIC} up",
+                     *(f"addr add {ip}/16 dev {layout.DEVICE_NIC}" for ip in h.device_ips),
+                     f"link set {layout.DEVICE_NIC} up"]
+            system.run(["ip", "-n", str(h.netns), "-batch", "-"], input="\n".join(inner) + "\n")
+
+    def _launch(self, h: HostSpec, hs: HostState, state: SandboxState) -> None:
+        """Start the host: sshd becomes PID 1 of fresh namespaces (netns) or runs under a subreaper."""
+        if state.mode == "netns":
+            # `ip netns exec` and unshare exec, so the pid is unshare's; --kill-child ties sshd to it
+            argv = ["ip", "netns", "exec", str(h.netns), "unshare", "--mount", "--uts", "--pid", "--fork",
+                    "--kill-child", "--mount-proc", "--propagation", "private", str(h.dir / "boot.sh")]
+        else:
+            if os.geteuid() == 0:
+                Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)   # root sshd's hard-coded privsep dir
+            argv = ["/usr/bin/python3", str(PKG_DIR / "subreaper.py"), str(h.dir / "boot.sh")]
+        with open(h.dir / "sshd.log", "ab") as logf:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        hs.launcher_pid = proc.pid
+        hs.launcher_started = system.start_time(proc.pid)
+        hs.listeners = {}
+
+    def _write_client_files(self, state: SandboxState, hosts: list[HostSpec]) -> None:
+        kh = "".join(client.known_hosts_line(h, (h.dir / "ssh_host_ed25519_key.pub").read_text()) for h in hosts)
+        _write(self.dir / "known_hosts", kh)
+        _write(self.dir / "ssh_config", client.ssh_config(hosts, self.dir, user=_login_user()))
+        if state.mode == "netns":
+            model_dir, engine = layout.MODEL_DIR, layout.ENGINE_COMMAND
+        else:
+            # loopback hosts share one filesystem: keep everything inside the sandbox dir
+            model_dir = str(self.dir / "shared/models/Kimi-K2.5-W4A8")
+            engine = str(self.dir / "bin" / "vllm")
+        inv = client.inventory(hosts, state.hardware, self.dir, mode=state.mode, cluster=state.cluster,
+                               model_dir=model_dir, engine_command=engine, user=_login_user())
+        _write(self.dir / "inventory.yml", client.inventory_yaml(inv))
+
+    def _wait_ready(self, state: SandboxState, hosts: list[HostSpec]) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        pending = {h.name: (h, hs) for h, hs in zip(hosts, state.hosts, strict=True)}
+        while pending:
+            for name, (h, hs) in list(pending.items()):
+                if system.ssh_banner(h.ip, h.port, 0.5):
+                    del pending[name]
+                elif not system.alive(hs.launcher_pid, hs.launcher_started):
+                    raise HostError("sshd exited during boot", host=name, step="boot", log_tail=_tail(h))
+            if pending and time.monotonic() > deadline:
+                name, (h, _) = next(iter(pending.items()))
+                raise HostError(f"sshd did not answer on {h.ip}:{h.port} within {READY_TIMEOUT:.0f}s",
+                                host=name, step="boot", log_tail=_tail(h))
+            if pending:
+                time.sleep(0.05)
+
+    # ---- down --------------------------------------------------------------------------------
+    def down(self) -> list[str]:
+        """Remove every process, namespace, link, mount and file this sandbox made; safe to repeat."""
+        try:
+            state = self.load()
+        except KimictlError as exc:
+            self.log(f"{exc.message}; removing leftovers by name")
+            state = None
+        slot = state.slot if state else self._slot_from_registry()
+        removed: list[str] = []
+        self._close_masters(removed)
+        if state:
+            for hs in state.hosts:
+                self._stop_listeners(hs)
+            stopped = [hs for hs in state.hosts if self._stop_host(hs, state.mode, wait=False)]
+            for p in system.wait_dead([hs.launcher_pid or 0 for hs in stopped], 5.0):
+                system.kill(p, signal.SIGKILL)
+            system.wait_dead([hs.launcher_pid or 0 for hs in stopped], 2.0)
+            removed += [f"host {hs.name}" for hs in stopped]
+        removed += self._stop_strays()
+        if slot is not None and os.geteuid() == 0:
+            removed += self._remove_kernel_objects(slot)
+        for mp in system.mounts_under(self.dir):
+            system.run(["umount", "-l", mp], check=False)
+            removed.append(f"mount {mp}")
+        for name in ("hosts", "cp", "bin", "shared"):
+            shutil.rmtree(self.dir / name, ignore_errors=True)
+        shutil.rmtree(client.control_dir(self.dir), ignore_errors=True)
+        for name in ("inventory.yml", "ssh_config", "known_hosts", "id_ed25519", "id_ed25519.pub",
+                     "authorized_keys", "etc_hosts", "sandbox.json"):
+            (self.dir / name).unlink(missing_ok=True)
+        if slot is not None:
+            rec = SLOTS_DIR / str(slot)
+            if rec.exists() and rec.read_text().strip() == str(self.dir):
+                rec.unlink()
+        with contextlib.suppress(OSError):   # only when no other sandbox is registered
+            SLOTS_DIR.rmdir()
+        if self.dir.exists() and not any(self.dir.iterdir()):
+            self.dir.rmdir()
+        return removed
+
+    def _stop_strays(self) -> list[str]:
+        """Safety net without state: launchers and sshds whose command line names this sandbox's host dirs."""
+        marker = f"{self.dir}/hosts/"
+        found = []
+        for p in (int(x) for x in os.listdir("/proc") if x.isdigit()):
+            argv = system.cmdline(p)
+            if p == os.getpid() or not argv or not any(marker in a for a in argv) or not system.alive(p):
+                continue
+            prog = Path(argv[0]).name
+            if prog in ("unshare", "sshd") or (prog.startswith("python") and
+                                               any(a.endswith("subreaper.py") for a in argv)):
+                found.append((p, prog, argv))
+        for p, prog, _ in found:
+            # unshare: --kill-child takes the host's PID 1 with it; sshd/subreaper clean up on TERM
+            system.kill(p, signal.SIGKILL if prog == "unshare" else signal.SIGTERM)
+        pids = [p for p, _, _ in found]
+        for p in system.wait_dead(pids, 3.0):
+            system.kill(p, signal.SIGKILL)
+        return [f"stray process {p} ({prog})" for p, prog, _ in found]
+
+    def _slot_from_registry(self) -> int | None:
+        if not SLOTS_DIR.is_dir():
+            return None
+        for rec in SLOTS_DIR.iterdir():
+            if rec.name.isdigit() and rec.read_text().strip() == str(self.dir):
+                return int(rec.name)
+        return None
+
+    def _close_masters(self, removed: list[str]) -> None:
+        """ControlPersist masters (ssh -F ssh_config, ansible) outlive their sessions: stop them."""
+        cp = client.control_dir(self.dir)
+        if cp.is_dir():
+            for sock in cp.iterdir():
+                system.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "sandbox"], check=False, timeout=10)
+        marker = str(cp) + "/"
+        masters = [int(p) for p in os.listdir("/proc") if p.isdigit()
+                   and (argv := system.cmdline(int(p))) and Path(argv[0]).name == "ssh"
+                   and any(marker in a for a in argv)]
+        for p in masters:
+            system.kill(p)
+        system.wait_dead(masters, 2.0)
+        if masters:
+            removed.append(f"{len(masters)} ssh control master(s)")
+
+    def _stop_host(self, hs: HostState, mode: str, *, wait: bool = True) -> bool:
+        """Stop one host; netns: TERM its sshd (PID 1 there), so the kernel kills the rest of the host."""
+        lp = hs.launcher_pid
+        if not system.alive(lp, hs.launcher_started):
+            return False
+        assert lp is not None
+        if mode == "netns":
+            # unshare ignores TERM while it waits; its child is the host's PID 1. A running sshd gets a
+            # clean TERM; a host still in boot.sh (PID 1 ignores TERM) goes with unshare (--kill-child).
+            kids = [k for k in system.children(lp) if "sshd" in " ".join(system.cmdline(k))]
+            for k in kids:
+                system.kill(k)
+            if not kids:
+                system.kill(lp, signal.SIGKILL)
+        else:
+            system.kill(lp)
+        if wait:
+            for p in system.wait_dead([lp], 5.0):
+                system.kill(p, signal.SIGKILL)
+            system.wait_dead([lp], 2.0)
+        return True
+
+    def _stop_listeners(self, hs: HostState) -> None:
+        for pid, started in hs.listeners.values():
+            if system.alive(pid, started):
+                system.kill(pid)
+                system.wait_dead([pid], 2.0)
+        hs.listeners = {}
+
+    def _remove_kernel_objects(self, slot: int) -> list[str]:
+        names = Names(slot)
+        removed = []
+        for ns in system.netns_list():
+            if ns.startswith(names.prefix + "-"):
+                pids = system.netns_pids(ns)
+                for p in pids:
+                    system.kill(p, signal.SIGKILL)
+                system.wait_dead(pids, 3.0)
+                system.run(["ip", "netns", "del", ns], check=False)
+                removed.append(f"netns {ns}")
+        for link in system.links():
+            if link in (names.control_bridge, names.device_bridge) or re.fullmatch(rf"{names.prefix}h\d+[cd]", link):
+                system.run(["ip", "link", "del", link], check=False)
+                removed.append(f"link {link}")
+        return removed
+
+    # ---- status ------------------------------------------------------------------------------
+    def status(self) -> dict:
+        """JSON-able report: sandbox state and, per host, whether its sshd answers."""
+        state = self.load()
+        if state is None:
+            return {"schema_version": 1, "dir": str(self.dir), "state": "absent", "hosts": []}
+        hosts = []
+        for hs in state.hosts:
+            running = system.alive(hs.launcher_pid, hs.launcher_started)
+            answers = running and system.ssh_banner(hs.ip, hs.port, 1.0)
+            hosts.append({"name": hs.name, "ip": hs.ip, "port": hs.port, "netns": hs.netns,
+                          "launcher_pid": hs.launcher_pid, "state": "up" if answers else "down",
+                          "device_ips": hs.device_ips, "state_dir": hs.state_dir,
+                          "faults": [s for s in state.faults if _fault_hosts(s) & {hs.name}]})
+        ups = sum(h["state"] == "up" for h in hosts)
+        overall = ("creating" if state.status == "creating" else
+                   "up" if ups == len(hosts) else "down" if ups == 0 else "degraded")
+        return {"schema_version": 1, "dir": str(self.dir), "state": overall, "mode": state.mode,
+                "cluster": state.cluster, "hardware": state.hardware, "slot": state.slot,
+                "inventory": str(self.dir / "inventory.yml"), "ssh_config": str(self.dir / "ssh_config"),
+                "hosts": hosts, "faults": list(state.faults)}
+
+    # ---- faults ------------------------------------------------------------------------------
+    def require(self) -> SandboxState:
+        state = self.load()
+        if state is None or state.status != "up":
+            raise KimictlError(f"no sandbox is up in {self.dir}",
+                               hint="start one with `kimictl sandbox up --hosts 2 --hardware atlas-800-a3`")
+        return state
+
+    def parse(self, spec: str) -> Fault:
+        """Check a SPEC's syntax first (exit 2 even without a sandbox), then its hosts and NPU ids."""
+        parse_fault(spec)
+        state = self.require()
+        return parse_fault(spec, [h.name for h in state.hosts], HARDWARE[state.hardware].npus)
+
+    def apply(self, fault: Fault) -> list[str]:
+        """Inject (or clear) one fault so the doubles, the network and ssh really show it.
+
+        Returns:
+            The fault specs active afterwards.
+        """
+        state = self.require()
+        if fault.kind == "clear":
+            self._clear(state, fault.host)
+        elif fault.spec not in state.faults:
+            self._inject(state, fault)
+            state.faults.append(fault.spec)
+        self.save(state)
+        self._write_faults_json(state)
+        return list(state.faults)
+
+    def _host(self, state: SandboxState, name: str) -> tuple[HostSpec, HostState]:
+        for h, hs in zip(self.specs(state), state.hosts, strict=True):
+            if h.name == name:
+                return h, hs
+        raise InvalidInput(f"no such sandbox host '{name}'")
+
+    def _is_down(self, state: SandboxState, name: str) -> bool:
+        return f"host-down:{name}" in state.faults
+
+    def _need_up(self, state: SandboxState, name: str, kind: str) -> None:
+        if self._is_down(state, name):
+            raise HostError(f"cannot inject {kind}: the host is down (host-down fault)", host=name,
+                            hint=f"clear it first: kimictl sandbox fault clear:{name}")
+
+    def _need_netns(self, state: SandboxState, kind: str) -> None:
+        if state.mode != "netns":
+            raise KimictlError(f"{kind} needs netns mode; this sandbox runs in loopback mode")
+
+    def _inject(self, state: SandboxState, f: Fault) -> None:
+        h, hs = self._host(state, f.host)
+        netns = state.mode == "netns"
+        if f.kind in ("small-disk", "slow-link"):
+            self._need_netns(state, f.kind)
+        if f.kind in ("small-disk", "port-taken"):
+            self._need_up(state, f.host, f.kind)
+        if f.kind in SINGLE_VALUED:   # a new size/rate/version replaces the old one
+            for old in [x for x in state.faults if x.startswith(f"{f.kind}:{f.host}:")]:
+                state.faults.remove(old)
+        self.log(f"injecting {f.spec}")
+        if f.kind == "link-down" and netns:
+            system.run(["ip", "-n", str(h.netns), "addr", "del", f"{h.device_ips[int(f.arg or 0)]}/16", "dev",
+                        layout.DEVICE_NIC], check=False)
+        elif f.kind == "driver-mismatch":
+            self._write_host_file(state, h, hs, f"{layout.ASCEND_ROOT}/driver/version.info",
+                                  layout.driver_version_info(str(f.arg)))
+        elif f.kind == "small-disk":
+            self._clear_small_disk(hs)
+            self._host_exec(hs, ["sh", "-c", f"mkdir -p {layout.MODELS_PARENT} && mount -t tmpfs -o "
+                                 f"size={f.arg},mode=755 kimi-small-disk {layout.MODELS_PARENT}"])
+        elif f.kind == "host-down":
+            self._stop_listeners(hs)
+            self._stop_host(hs, state.mode)
+        elif f.kind == "slow-link":
+            tbf = ["root", "tbf", "rate", str(f.arg), "burst", "64kb", "latency", "100ms"]
+            system.run(["tc", "qdisc", "replace", "dev", Names(state.slot).veth_control(h.index), *tbf])
+            system.run(["ip", "netns", "exec", str(h.netns), "tc", "qdisc", "replace", "dev",
+                        layout.CONTROL_NIC, *tbf])
+        elif f.kind == "cut-route" and netns:
+            peer, _ = self._host(state, str(f.arg))
+            names = Names(state.slot)
+            for a, b in ((h, peer), (peer, h)):
+                system.run(["ip", "-n", str(a.netns), "route", "replace", "blackhole", names.device_subnet(b.index)])
+        elif f.kind == "port-taken":
+            self._take_port(state, hs, int(f.arg or 0))
+        elif f.kind == "engine-crash":
+            state.spare_tags[h.name] = self._running_tags(state, h)
+        elif f.kind in ("npu-unhealthy", "engine-crash", "engine-hang"):
+            pass   # faults.json only: the doubles and the engine simulator read it on every call
+
+    def _clear(self, state: SandboxState, target: str) -> None:
+        gone = [s for s in state.faults if target == "all" or target in _fault_hosts(s)]
+        # restart downed hosts first so the other undo steps can reach them
+        gone.sort(key=lambda s: not s.startswith("host-down:"))
+        for spec in gone:
+            self.log(f"clearing {spec}")
+            self._undo(state, parse_fault(spec))
+            state.faults.remove(spec)
+            if spec.startswith("engine-crash:"):
+                state.spare_tags.pop(parse_fault(spec).host, None)
+
+    def _undo(self, state: SandboxState, f: Fault) -> None:
+        h, hs = self._host(state, f.host)
+        names = Names(state.slot)
+        if f.kind == "host-down":
+            self._launch(h, hs, state)
+            self.save(state)
+            self._wait_ready_pair(h, hs)
+        elif f.kind == "link-down" and state.mode == "netns":
+            ip = h.device_ips[int(f.arg or 0)]
+            system.run(["ip", "-n", str(h.netns), "addr", "replace", f"{ip}/16", "dev", layout.DEVICE_NIC],
+                       check=False)
+            # peers cached a FAILED neighbour entry while the address was gone; forget it
+            for other in self.specs(state):
+                if other.name != h.name:
+                    system.run(["ip", "-n", str(other.netns), "neigh", "flush", "to", ip], check=False)
+        elif f.kind == "driver-mismatch":
+            self._write_host_file(state, h, hs, f"{layout.ASCEND_ROOT}/driver/version.info",
+                                  layout.driver_version_info())
+        elif f.kind == "small-disk":
+            if not self._is_down(state, h.name):
+                self._clear_small_disk(hs)
+        elif f.kind == "slow-link":
+            system.run(["tc", "qdisc", "del", "dev", names.veth_control(h.index), "root"], check=False)
+            system.run(["ip", "netns", "exec", str(h.netns), "tc", "qdisc", "del", "dev", layout.CONTROL_NIC,
+                        "root"], check=False)
+        elif f.kind == "cut-route" and state.mode == "netns":
+            peer, _ = self._host(state, str(f.arg))
+            for a, b in ((h, peer), (peer, h)):
+                system.run(["ip", "-n", str(a.netns), "route", "del", "blackhole", names.device_subnet(b.index)],
+                           check=False)
+        elif f.kind == "port-taken":
+            pid_started = hs.listeners.pop(str(f.arg), None)
+            if pid_started and system.alive(*pid_started):
+                system.kill(pid_started[0])
+                system.wait_dead([pid_started[0]], 2.0)
+
+    def _wait_ready_pair(self, h: HostSpec, hs: HostState) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not system.ssh_banner(h.ip, h.port, 0.5):
+            if not system.alive(hs.launcher_pid, hs.launcher_started):
+                raise HostError("sshd exited during restart", host=h.name, step="boot", log_tail=_tail(h))
+            if time.monotonic() > deadline:
+                raise HostError("sshd did not come back", host=h.name, step="boot", log_tail=_tail(h))
+            time.sleep(0.05)
+
+    def _sshd_pid(self, hs: HostState) -> int:
+        kids = system.children(hs.launcher_pid or 0) if system.alive(hs.launcher_pid, hs.launcher_started) else []
+        if not kids:
+            raise HostError("host is not running", host=hs.name)
+        return kids[0]
+
+    def _host_exec(self, hs: HostState, argv: list[str], input: str | None = None) -> None:
+        """Run argv inside the host's namespaces (mounts, pids, network) via nsenter."""
+        pid = self._sshd_pid(hs)
+        system.run(["nsenter", "-t", str(pid), "--net", "--mount", "--uts", "--pid", "--", *argv], input=input)
+
+    def _write_host_file(self, state: SandboxState, h: HostSpec, hs: HostState, path: str, text: str) -> None:
+        """Write a file at its path on the host: through its mount ns, or into the overlay upper dir if down."""
+        if state.mode == "loopback":
+            _write(h.root / path.lstrip("/"), text)
+        elif self._is_down(state, h.name) or not system.alive(hs.launcher_pid, hs.launcher_started):
+            # no mount namespace uses the overlay now, so its upper dir may be edited directly
+            _write(h.dir / "ovl/usr_local/upper" / Path(path).relative_to("/usr/local"), text)
+        else:
+            self._host_exec(hs, ["sh", "-c", f'cat > "{path}.tmp" && mv "{path}.tmp" "{path}"'], input=text)
+
+    def _clear_small_disk(self, hs: HostState) -> None:
+        self._host_exec(hs, ["sh", "-c", f"while mountpoint -q {layout.MODELS_PARENT}; do "
+                                         f"umount {layout.MODELS_PARENT} || exit 1; done"])
+
+    def _take_port(self, state: SandboxState, hs: HostState, port: int) -> None:
+        bind_ip = "0.0.0.0" if state.mode == "netns" else hs.ip
+        if state.mode == "netns":
+            argv = ["nsenter", "-t", str(self._sshd_pid(hs)), "--net", "--mount", "--uts", "--pid", "--",
+                    "/usr/bin/python3", "-c", LISTENER, str(port), bind_ip]
+        else:
+            argv = ["/usr/bin/python3", "-c", LISTENER, str(port), bind_ip]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 5
+        while not system.port_open(hs.ip, port, 0.2):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                err = proc.stderr.read().decode(errors="replace") if proc.poll() is not None and proc.stderr else ""
+                proc.kill()
+                raise HostError(f"could not listen on port {port}", host=hs.name, step="port-taken",
+                                log_tail=err[-800:] or None)
+            time.sleep(0.05)
+        if proc.stderr:
+            proc.stderr.close()
+        hs.listeners[str(port)] = (proc.pid, system.start_time(proc.pid) or "")
+
+    def _running_tags(self, state: SandboxState, h: HostSpec) -> list[str]:
+        """Release tags of the processes kimictl's supervisor runs on h (its state files)."""
+        run = (h.dir / "ovl/var_lib/upper/kimi/run") if state.mode == "netns" else \
+            Path(h.state_dir or h.dir / "state") / "run"
+        tags = []
+        for path in sorted(run.glob("*.json")) if run.is_dir() else []:
+            with contextlib.suppress(OSError, ValueError):
+                st = json.loads(path.read_text())
+                if st.get("state") in ("running", "starting", "backoff") and st.get("tag"):
+                    tags.append(st["tag"])
+        return tags
+
+    def _write_faults_json(self, state: SandboxState) -> None:
+        specs = self.specs(state)
+        by_name = {h.name: h for h in specs}
+        for h in specs:
+            doc: dict = {}
+            for spec in state.faults:
+                f = parse_fault(spec)
+                if f.kind == "cut-route":
+                    # netns: the kernel drops the traffic (blackhole routes); loopback: the doubles must
+                    if state.mode == "loopback" and h.name in (f.host, f.arg):
+                        peer = by_name[str(f.arg) if f.host == h.name else f.host]
+                        subnet = ".".join(peer.device_ips[0].split(".")[:3]) + ".0/24"
+                        doc = apply_to_doc(doc, Fault("cut-route", h.name, peer.name), peer_subnet=subnet)
+                elif f.host == h.name:
+                    doc = apply_to_doc(doc, f)
+            if "engine_crash_at_start" in doc and state.spare_tags.get(h.name):
+                doc["engine_crash_spare_tags"] = state.spare_tags[h.name]
+            _write(h.sim_dir / "faults.json", json.dumps(doc, indent=2) + "\n")
+
+
+def _create_exclusive(path: Path) -> int:
+    """O_EXCL create; recreate the registry dir if a concurrent `down` just removed it (empty)."""
+    for _ in range(3):
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileNotFoundError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):
+                path.parent.chmod(0o1777)
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+
+def _login_user() -> str:
+    """root normally; a non-root loopback sandbox can only log its own user in."""
+    return "root" if os.geteuid() == 0 else getpass.getuser()
+
+
+def _fault_hosts(spec: str) -> set[str]:
+    f = parse_fault(spec)
+    return {f.host, str(f.arg)} if f.kind == "cut-route" else {f.host}
+
+
+def _tail(h: HostSpec, n: int = 15) -> str | None:
+    try:
+        return "\n".join((h.dir / "sshd.log").read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return None
+
+
+def sshd_config(h: HostSpec, directory: Path, env: dict[str, str]) -> str:
+    """sshd_config of one fake host: key-only root login, its own host key, big session limits."""
+    lines = [
+        f"ListenAddress {h.ip}:{h.port}",
+        f"HostKey {h.dir / 'ssh_host_ed25519_key'}",
+        f"PidFile {h.dir / 'sshd.pid'}",
+        "PermitRootLogin prohibit-password",
+        "PubkeyAuthentication yes",
+        f"AuthorizedKeysFile {directory / 'authorized_keys'}",
+        # the sandbox dir may sit under world-writable /tmp, which StrictModes would silently refuse
+        "StrictModes no",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "UseDNS no",
+        "PrintMotd no",
+        "PrintLastLog no",
+        # ansible forks + ControlMaster multiplexing open many connections and channels at once
+        "MaxStartups 100:30:200",
+        "MaxSessions 100",
+        "AcceptEnv LANG LC_*",
+        "Subsystem sftp /usr/lib/openssh/sftp-server",
+        "LogLevel INFO",
+    ]
+    if env:
+        lines.append("SetEnv " + " ".join(f"{k}={v}" for k, v in env.items()))
+    return "\n".join(lines) + "\n"
+
+
+def boot_script(h: HostSpec, directory: Path, mode: str) -> str:
+    """The host's PID 1 until it execs sshd: hostname, private mounts, then sshd in the foreground."""
+    lines = ["#!/bin/sh", "set -e"]
+    if mode == "netns":
+        lines += [f"hostname {h.name}",
+                  "mount -t tmpfs -o mode=755,size=64m tmpfs /run",
+                  "mkdir -p -m 755 /run/sshd /run/lock"]
+        for d in PRIVATE_DIRS:
+            ovl = h.dir / "ovl" / d.strip("/").replace("/", "_")
+            lines.append(f"mount -t overlay overlay -o 'lowerdir={d},upperdir={ovl}/upper,workdir={ovl}/work' {d}")
+        lines += ["mount -t tmpfs -o mode=700,size=256m tmpfs /root",
+                  f"mount --bind '{directory / 'etc_hosts'}' /etc/hosts",
+                  f"mount --bind '{h.sim_dir}' {layout.SIM_DIR}"]
+    else:
+        lines.append(f"mkdir -p '{h.state_dir}'")
+    lines += [f"/usr/sbin/sshd -t -f '{h.dir / 'sshd_config'}'",
+              f"exec /usr/sbin/sshd -D -e -f '{h.dir / 'sshd_config'}'"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,147 @@
+"""Session fixtures: simulated Atlas clusters brought up once, always torn down, plus host helpers."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kimictl.sandbox import system
+
+
+def _cli_prefix() -> list[str]:
+    from kimictl.cli import main
+
+    if any(g.name == "sandbox" for g in main.app.registered_groups):
+        return [sys.executable, "-m", "kimictl", "sandbox"]
+    # until the lead registers the group, drive the sub-app directly (same code path)
+    return [sys.executable, "-c", "import sys; from kimictl.cli.sandbox import app; sys.exit(app())"]
+
+
+def sandbox_cli(*args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run `kimictl sandbox ARGS` in a subprocess (as a user would)."""
+    proc = subprocess.run([*_cli_prefix(), *args], capture_output=True, text=True, timeout=timeout, check=False)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kimictl sandbox {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+@dataclass
+class SandboxHandle:
+    """A running sandbox and ways to run things on its hosts."""
+
+    dir: Path
+
+    @property
+    def state(self) -> dict:
+        return json.loads((self.dir / "sandbox.json").read_text())
+
+    @property
+    def hosts(self) -> list[str]:
+        return [h["name"] for h in self.state["hosts"]]
+
+    @property
+    def inventory(self) -> Path:
+        return self.dir / "inventory.yml"
+
+    def host(self, name: str) -> dict:
+        return next(h for h in self.state["hosts"] if h["name"] == name)
+
+    def device_ip(self, name: str, npu: int) -> str:
+        return self.host(name)["device_ips"][npu]
+
+    def ssh(self, name: str, command: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run a shell command on a host over real ssh with the generated ssh_config."""
+        return subprocess.run(["ssh", "-F", str(self.dir / "ssh_config"), name, command], capture_output=True,
+                              text=True, timeout=timeout, check=False)
+
+    def sshd_pid(self, name: str) -> int:
+        kids = system.children(self.host(name)["launcher_pid"])
+        assert kids, f"{name} is not running"
+        return kids[0]
+
+    def nsenter(self, name: str, argv: list[str]) -> subprocess.CompletedProcess:
+        """Run argv inside a host's namespaces without ssh (for assertions)."""
+        return subprocess.run(["nsenter", "-t", str(self.sshd_pid(name)), "--net", "--mount", "--uts", "--pid",
+                               "--", *argv], capture_output=True, text=True, timeout=60, check=False)
+
+    def fault(self, *specs: str, check: bool = True) -> subprocess.CompletedProcess:
+        return sandbox_cli("fault", *specs, "--dir", str(self.dir), check=check)
+
+
+def leftovers(directory: Path, slot: int) -> list[str]:
+    """Namespaces, links, mounts and processes of a sandbox that still exist."""
+    prefix = f"ks{slot}"
+    out = [f"netns {n}" for n in system.netns_list() if n.startswith(prefix + "-")]
+    out += [f"link {ln}" for ln in system.links() if ln.startswith(prefix)]
+    out += [f"mount {ln}" for ln in Path("/proc/mounts").read_text().splitlines() if str(directory) in ln]
+    for p in os.listdir("/proc"):
+        if p.isdigit() and int(p) != os.getpid() and system.alive(int(p)):
+            argv = system.cmdline(int(p))
+            if any(str(directory) in a for a in argv):
+                out.append(f"process {p}: {' '.join(argv)[:120]}")
+    return out
+
+
+@functools.cache
+def _namespaces() -> tuple[bool, str]:
+    return system.namespaces_usable()
+
+
+def _require_namespaces() -> None:
+    ok, why = _namespaces()
+    if not ok:
+        pytest.skip(f"sandbox tests need root and namespaces: {why}")
+
+
+@pytest.fixture(autouse=True)
+def _skip_without_namespaces(request):
+    if request.node.get_closest_marker("sandbox"):
+        _require_namespaces()
+
+
+def _bring_up(directory: Path, *args: str):
+    _require_namespaces()
+    sandbox_cli("up", *args, "--dir", str(directory))
+    handle = SandboxHandle(directory)
+    try:
+        yield handle
+    finally:
+        sandbox_cli("down", "--dir", str(directory), check=False)
+
+
+@pytest.fixture(scope="session")
+def sandbox_a3(tmp_path_factory):
+    """Two Atlas 800 A3 hosts (16 dies each), up for the whole session."""
+    yield from _bring_up(tmp_path_factory.mktemp("sb-a3"), "--hosts", "2", "--hardware", "atlas-800-a3")
+
+
+@pytest.fixture(scope="session")
+def sandbox_a2(tmp_path_factory):
+    """Two Atlas 800 A2 hosts (8 x 910B3 each), up for the whole session."""
+    yield from _bring_up(tmp_path_factory.mktemp("sb-a2"), "--hosts", "2", "--hardware", "atlas-800-a2")
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """`cli("status", "--dir", D)` runs `kimictl sandbox status --dir D` in a subprocess."""
+    return sandbox_cli
+
+
+@pytest.fixture(scope="session")
+def find_leftovers():
+    """`find_leftovers(dir, slot)` lists what of a sandbox still exists."""
+    return leftovers
+
+
+@pytest.fixture
+def a3(sandbox_a3):
+    """The shared A3 sandbox, with every fault cleared after the test."""
+    yield sandbox_a3
+    sandbox_a3.fault("clear:all")

@@ -1,0 +1,69 @@
+"""Deploy pieces without hosts: process tags, change computation, the ansible-runner spec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kimictl.ansible import build_run_spec
+from kimictl.deploy import HostObservation, compute_changes, desired_procs
+from kimictl.inventory import load_inventory
+from kimictl.plan import make_plan
+from kimictl.render import render
+from kimictl.topology import load_topology
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _procs(inventory: Path):
+    inv = load_inventory(inventory)
+    topo = load_topology("a3-pd")
+    return inv, desired_procs(render(make_plan(inv, topo), inv, topo), inv)
+
+
+def test_desired_procs_cover_engines_and_proxy() -> None:
+    _, procs = _procs(ROOT / "inventories/a3-pd.yml")
+    assert [p.id for p in procs] == ["prefill-0-dp0", "prefill-0-dp1", "decode-0-dp0", "decode-0-dp1",
+                                     "decode-0-dp2", "decode-0-dp3", "proxy"]
+    eng = procs[0]
+    assert eng.cmd[0] == "bash" and eng.cmd[1].startswith("/var/lib/kimi/releases/")
+    assert eng.cmd[1].endswith("/engines/prefill-0-dp0.container.sh")
+
+
+def test_one_flag_change_changes_only_that_role(tmp_path: Path) -> None:
+    inv_path = ROOT / "inventories/a3-pd.yml"
+    _, before = _procs(inv_path)
+    changed = inv_path.read_text().replace("kimi_nic: enp189s0f0", "kimi_nic: enp189s0f0\n    kimi_media_dir: /srv/m")
+    (tmp_path / "inv.yml").write_text(changed)
+    _, after = _procs(tmp_path / "inv.yml")
+    tags_before = {p.id: p.tag for p in before}
+    # media dir reaches every engine's argv, never the proxy
+    assert all(p.tag != tags_before[p.id] for p in after if p.kind == "engine")
+    assert next(p for p in after if p.id == "proxy").tag == tags_before["proxy"]
+
+
+def test_compute_changes() -> None:
+    _, procs = _procs(ROOT / "inventories/a3-pd.yml")
+    p0, d0 = procs[0], procs[2]
+    observed = {
+        p0.host: HostObservation({p0.id: {"state": "running", "tag": p0.tag, "cmd": p0.cmd},
+                                  "old-engine": {"state": "running", "tag": "x", "cmd": ["bash", "/old.sh"]}},
+                                 "r1"),
+        d0.host: HostObservation({d0.id: {"state": "running", "tag": "stale", "cmd": ["bash", "/o.sh"]},
+                                  "decode-0-dp1": {"state": "stopped", "tag": "t"}}, "r1"),
+    }
+    actions = {(c.host, c.id): c.action for c in compute_changes(procs, observed)}
+    assert actions[(p0.host, p0.id)] == "keep"
+    assert actions[(p0.host, "old-engine")] == "stop"
+    assert actions[(d0.host, d0.id)] == "replace"
+    assert actions[(d0.host, "decode-0-dp1")] == "start"
+    assert actions[(p0.host, "proxy")] == "start"
+
+
+def test_build_run_spec_is_pure(tmp_path: Path) -> None:
+    spec = build_run_spec(tmp_path, "engines.yml", ROOT / "inventories/a3-pd.yml", {"kimi": {"x": 1}},
+                          ident="02-engines", hosts=[f"h{i}" for i in range(9)], limit=["h1", "h2"], check=True)
+    assert spec.forks == 9 and spec.limit == "h1,h2" and spec.cmdline == "--check --diff"
+    assert spec.playbook.endswith("playbooks/engines.yml")
+    assert spec.envvars["ANSIBLE_HOST_KEY_CHECKING"] == "True" and spec.envvars["ANSIBLE_PIPELINING"] == "True"
+    assert spec.envvars["ANSIBLE_SSH_CONTROL_PATH_DIR"] == str(tmp_path / "cp")
+    assert spec.extravars == {"kimi": {"x": 1}}
