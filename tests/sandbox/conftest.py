@@ -145,3 +145,21 @@ def a3(sandbox_a3):
     """The shared A3 sandbox, with every fault cleared after the test."""
     yield sandbox_a3
     sandbox_a3.fault("clear:all")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _control_state_dir(tmp_path_factory):
+    """kimictl's control-node state (releases, runs) goes to a temp dir, never the user's home."""
+    old = os.environ.get("KIMICTL_STATE_DIR")
+    os.environ["KIMICTL_STATE_DIR"] = str(tmp_path_factory.mktemp("kimictl-state"))
+    yield
+    if old is None:
+        os.environ.pop("KIMICTL_STATE_DIR", None)
+    else:
+        os.environ["KIMICTL_STATE_DIR"] = old
+
+
+def kimictl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `kimictl ARGS` in a subprocess, as a user or CI would."""
+    return subprocess.run([sys.executable, "-m", "kimictl", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)

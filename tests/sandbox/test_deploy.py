@@ -1,0 +1,97 @@
+"""Deploy a3-pd to a 2-host A3 sandbox: serve through the proxy, idempotence, --check --diff, rollback."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import _bring_up, kimictl
+
+pytestmark = pytest.mark.sandbox
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory):
+    """A separate sandbox with a3-pd deployed once for this module."""
+    gen = _bring_up(tmp_path_factory.mktemp("sb-deploy"), "--hosts", "2", "--hardware", "atlas-800-a3")
+    sb = next(gen)
+    proc = kimictl("deploy", "-i", str(sb.inventory), "--topology", "a3-pd", "--yes", "--output", "json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sb.first = json.loads(proc.stdout)
+    yield sb
+    sb.fault("clear:all", check=False)
+    gen.close()
+
+
+def _complete(sb, prompt: str = "hello from the deploy test") -> dict:
+    ip = sb.host("atlas-01")["ip"]
+    req = urllib.request.Request(f"http://{ip}:8000/v1/completions", method="POST",
+                                 headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": "kimi-k2.5", "prompt": prompt, "max_tokens": 8}).encode())
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _supervised(sb, host: str) -> dict[str, dict]:
+    out = sb.ssh(host, "python3 /var/lib/kimi/bin/supervisor.py status --run-dir /var/lib/kimi/run").stdout
+    return {s["name"]: s for s in json.loads(out)}
+
+
+def _tuned_topology(tmp_path: Path) -> Path:
+    text = (ROOT / "kimictl/data/topologies/a3-pd.yml").read_text()
+    path = tmp_path / "a3-pd-tuned.yml"
+    path.write_text(text.replace("name: a3-pd", "name: a3-pd-tuned").replace("max-num-seqs: 32", "max-num-seqs: 24"))
+    return path
+
+
+def test_first_deploy_serves_through_the_proxy(deployed) -> None:
+    doc = deployed.first
+    assert doc["result"] == "deployed"
+    assert doc["smoke"]["prefill_prompt_tokens"] > 0 and doc["smoke"]["decode_external_prefix_cache_queries"] > 0
+    assert len([c for c in doc["changes"] if c["action"] == "start"]) == 7  # 6 engines + proxy
+    assert _complete(deployed)["choices"][0]["text"].strip()
+    states = {**_supervised(deployed, "atlas-01"), **_supervised(deployed, "atlas-02")}
+    assert sorted(states) == ["decode-0-dp0", "decode-0-dp1", "decode-0-dp2", "decode-0-dp3", "prefill-0-dp0",
+                              "prefill-0-dp1", "proxy"]
+    assert all(s["state"] == "running" for s in states.values())
+    current = deployed.ssh("atlas-02", "readlink /var/lib/kimi/current").stdout.strip()
+    assert current.startswith("releases/")
+
+
+def test_second_deploy_is_a_no_op(deployed) -> None:
+    before = {h: {n: s["child_pid"] for n, s in _supervised(deployed, h).items()} for h in deployed.hosts}
+    proc = kimictl("deploy", "-i", str(deployed.inventory), "--topology", "a3-pd", "--yes", "--output", "json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["result"] == "no-changes"
+    after = {h: {n: s["child_pid"] for n, s in _supervised(deployed, h).items()} for h in deployed.hosts}
+    assert after == before
+
+
+def test_check_diff_shows_only_the_changed_role(deployed, tmp_path: Path) -> None:
+    topo = _tuned_topology(tmp_path)
+    before = _supervised(deployed, "atlas-02")
+    proc = kimictl("deploy", "-i", str(deployed.inventory), "--topology", str(topo), "--check", "--diff",
+                   "--output", "json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(proc.stdout)
+    todo = {(c["host"], c["id"], c["action"]) for c in doc["changes"] if c["action"] != "keep"}
+    assert todo == {("atlas-02", f"decode-0-dp{r}", "replace") for r in range(4)}
+    assert all("-  --max-num-seqs 32" in d and "+  --max-num-seqs 24" in d for d in doc["diffs"].values())
+    assert {k.rsplit(":", 1)[1] for k in doc["diffs"]} == {f"engines/decode-0-dp{r}.sh" for r in range(4)}
+    assert _supervised(deployed, "atlas-02") == before  # --check changed nothing
+
+
+def test_crashing_release_rolls_back_and_old_release_keeps_answering(deployed, tmp_path: Path) -> None:
+    tags = {n: s["tag"] for n, s in _supervised(deployed, "atlas-02").items()}
+    deployed.fault("engine-crash:atlas-02:decode")
+    proc = kimictl("deploy", "-i", str(deployed.inventory), "--topology", str(_tuned_topology(tmp_path)), "--yes",
+                   "--skip-preflight", "test")
+    assert proc.returncode == 1
+    assert "host atlas-02" in proc.stderr and "decode-0-dp" in proc.stderr
+    assert "--- log tail ---" in proc.stderr and "engine_crash_at_start" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert {n: s["tag"] for n, s in _supervised(deployed, "atlas-02").items()} == tags
+    assert _complete(deployed, "still serving after the failed deploy")["choices"]
