@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kimictl.cli import deploy, preflight, sandbox, static
+from kimictl.cli import deploy, preflight, sandbox, static, status
 
 app = typer.Typer(
     name="kimictl",
@@ -21,6 +21,7 @@ app.command()(static.render)
 app.command()(static.schema)
 app.command()(preflight.preflight)
 app.command()(deploy.deploy)
+app.command()(status.status)
 app.add_typer(sandbox.app, name="sandbox")
 
 

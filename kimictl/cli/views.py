@@ -119,3 +119,31 @@ def preflight_view(report: PreflightReport) -> Group:
                 f"{s['warnings']} warning(s), {s['skipped']} skipped in {s['seconds']:.1f}s",
                 style="bold green" if report.ok else "bold red")
     return Group(t, tail)
+
+
+def status_view(doc: dict) -> Group:
+    color = {"healthy": "bold green", "degraded": "bold yellow", "down": "bold red"}[doc["state"]]
+    head = Text.assemble(("cluster ", "dim"), (doc["cluster"], "bold"), ("  state ", "dim"), (doc["state"], color),
+                         ("  release ", "dim"), str(doc.get("release")))
+    t = Table(title="Engines", title_justify="left")
+    for col in ("engine", "host", "role", "state", "restarts", "running", "waiting", "KV use"):
+        t.add_column(col)
+    st_style = {"ready": "green", "starting": "yellow", "failed": "bold red", "stopped": "red",
+                "unreachable": "bold red"}
+    for e in doc["engines"]:
+        m = e.get("metrics") or {}
+        t.add_row(e["id"], e["host"], e["role"], Text(e["state"], style=st_style.get(e["state"], "")),
+                  str(e.get("restarts", "")), f"{m.get('requests_running', 0):.0f}" if m else "",
+                  f"{m.get('requests_waiting', 0):.0f}" if m else "",
+                  f"{100 * m.get('kv_cache_usage', 0):.1f}%" if m else "")
+    parts: list = [head, t]
+    if doc["proxy"]:
+        p = doc["proxy"]
+        parts.append(Text(f"proxy {p['host']} ({p['ip']}:{p['port']}): {p['state']}",
+                          style="green" if p["state"] == "ready" else "bold red"))
+    for pair in doc["pairs"]:
+        parts.append(Text(f"P/D pair probe: {pair['state']} - {pair.get('detail', '')}",
+                          style="green" if pair["state"] == "ok" else "bold red"))
+    for d in doc["drift"]:
+        parts.append(Text(f"drift: {d['host']} runs {d['current']}, recorded {d['recorded']}", style="yellow"))
+    return Group(*parts)

@@ -95,3 +95,24 @@ def test_crashing_release_rolls_back_and_old_release_keeps_answering(deployed, t
     assert "Traceback" not in proc.stderr
     assert {n: s["tag"] for n, s in _supervised(deployed, "atlas-02").items()} == tags
     assert _complete(deployed, "still serving after the failed deploy")["choices"]
+
+
+def test_status_healthy_then_degraded_names_the_stopped_engine(deployed) -> None:
+    proc = kimictl("status", "-i", str(deployed.inventory), "--output", "json")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 0, doc
+    assert doc["state"] == "healthy" and len(doc["engines"]) == 6 and len(doc["pairs"]) == 1
+    assert doc["pairs"][0]["state"] == "ok" and doc["proxy"]["state"] == "ready" and doc["drift"] == []
+    stop = deployed.ssh("atlas-02", "python3 /var/lib/kimi/bin/supervisor.py stop --name decode-0-dp2 "
+                                    "--run-dir /var/lib/kimi/run")
+    assert stop.returncode == 0, stop.stderr
+    proc = kimictl("status", "-i", str(deployed.inventory), "--output", "json", "--no-pair-probe")
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 3 and doc["state"] == "degraded"
+    assert [(e["id"], e["state"]) for e in doc["engines"] if e["state"] != "ready"] == [("decode-0-dp2", "stopped")]
+    # deploy brings the missing engine back and nothing else
+    proc = kimictl("deploy", "-i", str(deployed.inventory), "--topology", "a3-pd", "--yes", "--output", "json",
+                   "--skip-preflight", "test")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [(c["id"], c["action"]) for c in json.loads(proc.stdout)["changes"] if c["action"] != "keep"] == [
+        ("decode-0-dp2", "start")]

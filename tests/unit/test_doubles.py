@@ -229,4 +229,4 @@ def test_doubles_run_on_bare_system_python(sim, name):
                           env={"KIMI_SIM_DIR": str(sim), "PATH": "/usr/bin:/bin"}, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
-    assert (DOUBLES / name).read_text().startswith("#!/usr/bin/python3\n")
+    assert (DOUBLES / name).read_text().startswith("#!/usr/bin/python3 -IS\n")

@@ -83,6 +83,11 @@ def gone(pid: int) -> bool:
     return st is None or st[0] in ("Z", "X")
 
 
+def wait_gone(*pids: int) -> None:
+    # Polled: the kernel drops the lock (which stop waits for) just before the holder becomes a zombie.
+    wait_for(lambda: all(gone(p) for p in pids), f"pids {pids} gone")
+
+
 def ppid_of(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[1])
@@ -241,7 +246,7 @@ def test_max_restarts_ends_failed(h: Harness) -> None:
     st = wait_for(lambda: [s for s in h.status() if s["state"] == "failed" and not s["alive"]], "failed")[0]
     assert st["restarts"] == 2 and st["last_exit"]["code"] == 3 and st["child_pid"] is None
     assert "--max-restarts 2" in st["error"]
-    assert gone(st["supervisor_pid"])
+    wait_gone(st["supervisor_pid"])
     assert h.log_text().splitlines().count("boom") == 3
 
 
@@ -254,7 +259,7 @@ def test_stop_sends_sigterm_first(h: Harness) -> None:
     assert flag.read_text() == "1 term"  # exactly one SIGTERM: a second one makes servers skip their cleanup
     st = h.state()
     assert st["state"] == "stopped" and st["last_exit"]["code"] == 0 and st["child_pid"] is None
-    assert gone(doc["child_pid"]) and gone(doc["supervisor_pid"])
+    wait_for(wait_gone(doc["child_pid"], doc["supervisor_pid"]))  # the lock is released just before exit
     assert h.status()[0]["state"] == "stopped"
 
 
@@ -266,7 +271,7 @@ def test_stop_sigkills_a_child_that_ignores_sigterm(h: Harness) -> None:
     st = h.state()
     assert st["state"] == "stopped" and st["last_exit"]["signal"] == signal.SIGKILL
     assert st["last_exit"]["signal_name"] == "SIGKILL"
-    assert gone(doc["child_pid"])
+    wait_gone(doc["child_pid"])
     assert "grace period over: SIGKILL" in h.log_text()
 
 
@@ -280,12 +285,12 @@ def test_sigterm_to_supervisor_is_a_clean_stop_and_sighup_is_ignored(h: Harness)
     wait_for(lambda: h.status()[0]["state"] == "stopped", "stopped after SIGTERM")
     st = h.state()
     assert st["last_exit"]["signal"] == signal.SIGKILL and st["restarts"] == 0  # --grace from start applied
-    assert gone(doc["child_pid"])
+    wait_gone(doc["child_pid"])
 
 
 def test_stop_kills_grandchildren_in_and_out_of_the_group(h: Harness) -> None:
     pids_file = h.tmp / "pids"
-    doc = h.started(FAMILY, "--grace", "5", extra=(str(pids_file),))
+    doc = h.started(FAMILY, "--grace", "30", extra=(str(pids_file),))
     wait_for(lambda: h.printed("ready"), "child ready")
     same_group, own_session = json.loads(pids_file.read_text())
     assert os.getpgid(same_group) == doc["child_pid"] and os.getpgid(own_session) != doc["child_pid"]
@@ -330,7 +335,7 @@ def test_different_command_or_tag_conflicts_unless_replace(h: Harness) -> None:
     new = json.loads(r.stdout)
     assert new["child_pid"] != doc["child_pid"] and new["supervisor_pid"] != doc["supervisor_pid"]
     assert new["tag"] == "r2" and new["state"] == "running"
-    assert gone(doc["child_pid"]) and gone(doc["supervisor_pid"])
+    wait_for(wait_gone(doc["child_pid"], doc["supervisor_pid"]))  # the lock is released just before exit
     wait_for(lambda: h.printed("hello again"), "new command's output")
 
 
@@ -363,7 +368,7 @@ def test_status_reports_dead_and_stop_cleans_up_the_orphan(h: Harness) -> None:
     assert st["recorded_state"] == "running" and st["alive"] is False and st["child_alive"] is True
     r = h.stop("--grace", "1")
     assert r.returncode == 0 and "supervisor was dead" in r.stdout, r.stdout
-    assert gone(doc["child_pid"])
+    wait_gone(doc["child_pid"])
     assert h.status()[0]["state"] == "stopped"
 
 
@@ -400,7 +405,9 @@ def test_stop_is_idempotent_and_stop_all(h: Harness) -> None:
     b = h.started(SLEEPER, name="b")
     r = h.stop(name=None)
     assert r.returncode == 0 and r.stdout.splitlines() == ["a: stopped", "b: stopped"], r.stderr
-    assert all(gone(d["child_pid"]) and gone(d["supervisor_pid"]) for d in (a, b))
+    wait_for(
+        wait_gone(a["child_pid"], a["supervisor_pid"], b["child_pid"], b["supervisor_pid"])
+    )  # the lock is released just before exit
     r = h.stop(name="a")
     assert r.returncode == 0 and r.stdout.strip() == "already stopped"
     assert [s["state"] for s in h.status()] == ["stopped", "stopped"]

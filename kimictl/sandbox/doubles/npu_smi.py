@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/python3 -IS
 """Test double of Huawei `npu-smi`: reads the sandbox host state in $KIMI_SIM_DIR (stdlib only)."""
 
 import json

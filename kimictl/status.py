@@ -1,0 +1,135 @@
+"""Status: what runs where (one SSH probe per host + HTTP), judged per engine, proxy and P/D pair, with drift."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kimictl import health
+from kimictl.inventory import Inventory
+from kimictl.ssh import Sessions, SSHError
+from kimictl.state import control_dir
+
+STATUS_SCHEMA_VERSION = 1
+_SUPERVISOR_TO_STATE = {"starting": "starting", "backoff": "failed", "failed": "failed", "stopping": "stopped",
+                        "stopped": "stopped", "dead": "failed"}
+
+
+def _probe(inv: Inventory, timeout: float) -> dict[str, Any]:
+    def one(name: str, s) -> dict[str, Any]:
+        sd = inv.host(name).kimi_state_dir
+        out = s.run(f"cat {sd}/current/manifest.json 2>/dev/null || echo null; echo '@@kimi'; "
+                    f"if [ -f {sd}/bin/supervisor.py ]; then python3 {sd}/bin/supervisor.py status --run-dir "
+                    f"{sd}/run; else echo '[]'; fi", timeout=timeout).stdout
+        manifest, _, sup = out.partition("@@kimi")
+        try:
+            return {"manifest": json.loads(manifest), "supervised": {x["name"]: x for x in json.loads(sup or "[]")}}
+        except ValueError:
+            return {"manifest": None, "supervised": {}}
+
+    with Sessions(inv, timeout=timeout) as sessions:
+        return sessions.each(one)
+
+
+def _engine_metrics(ip: str, port: int) -> dict[str, float]:
+    m = health.metric_totals(ip, port)
+    return {"requests_running": m.get("vllm:num_requests_running", 0.0),
+            "requests_waiting": m.get("vllm:num_requests_waiting", 0.0),
+            "kv_cache_usage": m.get("vllm:kv_cache_usage_perc", 0.0)}
+
+
+def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool = True) -> dict[str, Any]:
+    """The CONTRACT `status --output json` document (schema_version 1)."""
+    probes = _probe(inv, timeout)
+    record_path = control_dir(inv.cluster.name) / "current.json"
+    record = json.loads(record_path.read_text()) if record_path.exists() else None
+    engines: list[dict[str, Any]] = []
+    proxy: dict[str, Any] | None = None
+    drift: list[dict[str, Any]] = []
+    served = None
+    for h in inv.hosts:
+        got = probes[h.name]
+        if isinstance(got, SSHError):
+            engines.append({"id": f"{h.name}:*", "host": h.name, "role": "?", "state": "unreachable",
+                            "detail": str(got)})
+            continue
+        man = got["manifest"]
+        if record and man and record["hosts"].get(h.name) != man.get("release"):
+            drift.append({"host": h.name, "recorded": record["hosts"].get(h.name), "current": man.get("release")})
+        if not man:
+            continue
+        served = served or man.get("served_model_name")
+        for e in man["engines"]:
+            sup = got["supervised"].get(e["id"])
+            row = {"id": e["id"], "host": h.name, "role": e["role"], "port": e["port"], "ip": h.ip,
+                   "release": man.get("release"), "serves_http": e["serves_http"]}
+            if sup is None:
+                row["state"] = "stopped"
+            else:
+                row.update(restarts=sup.get("restarts", 0), pid=sup.get("child_pid"),
+                           since=sup.get("child_started_at"))
+                row["state"] = _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")
+            engines.append(row)
+        if man.get("proxy"):
+            sup = got["supervised"].get("proxy")
+            proxy = {"host": h.name, "ip": h.ip, "port": man["proxy"]["port"],
+                     "state": "stopped" if sup is None else _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")}
+
+    def readiness(row: dict[str, Any]) -> None:
+        if row["state"] == "starting" and row.get("serves_http", True):
+            ok = health.engine_ready(row["ip"], row["port"], served or "", timeout=3).ok
+            row["state"] = "ready" if ok else "starting"
+            if ok:
+                row["metrics"] = _engine_metrics(row["ip"], row["port"])
+        elif row["state"] == "starting":
+            row["state"] = "ready"  # headless internal-DP workers have no HTTP; alive under the supervisor
+
+    live = [r for r in engines if r["state"] == "starting"] + ([proxy] if proxy else [])
+    for r in live:
+        r.setdefault("serves_http", True)
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(readiness, live))
+
+    pairs: list[dict[str, Any]] = []
+    pd = any(r["role"] == "prefill" for r in engines) and any(r["role"] == "decode" for r in engines)
+    if pd and proxy and probe_pairs:
+        pairs.append(_pair_probe(engines, proxy, served or ""))
+
+    states = [r["state"] for r in engines] + ([proxy["state"]] if proxy else [])
+    if engines and all(s == "ready" for s in states) and all(p["state"] == "ok" for p in pairs) and not drift:
+        state = "healthy"
+    elif not engines or not any(s == "ready" for s in states) or (proxy and proxy["state"] != "ready"):
+        state = "down"
+    else:
+        state = "degraded"
+    for r in engines:
+        r.pop("ip", None)
+    if proxy:
+        proxy.pop("serves_http", None)
+    return {"schema_version": STATUS_SCHEMA_VERSION, "cluster": inv.cluster.name, "state": state,
+            "release": record["release"] if record else None, "engines": engines, "proxy": proxy,
+            "pairs": pairs, "drift": drift, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: str) -> dict[str, Any]:
+    """One request through the proxy must move prefill's and decode's KV-transfer counters."""
+    pre = [r for r in engines if r["role"] == "prefill" and r["state"] == "ready"]
+    dec = [r for r in engines if r["role"] == "decode" and r["state"] == "ready"]
+    if proxy["state"] != "ready" or not pre or not dec:
+        return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "failed",
+                "detail": "proxy or one side not ready"}
+
+    def totals(rows: list[dict[str, Any]], metric: str) -> float:
+        return sum(health.metric_totals(r["ip"], r["port"]).get(metric, 0.0) for r in rows)
+
+    p0, d0 = totals(pre, health.PREFILL_COUNTER), totals(dec, health.DECODE_COUNTER)
+    code, body = health.http_post_json(f"http://{proxy['ip']}:{proxy['port']}/v1/completions",
+                                       {"model": served, "prompt": health.smoke_prompt(64), "max_tokens": 2},
+                                       timeout=30)
+    moved_p, moved_d = totals(pre, health.PREFILL_COUNTER) - p0, totals(dec, health.DECODE_COUNTER) - d0
+    ok = code == 200 and moved_p > 0 and moved_d > 0
+    return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "ok" if ok else "failed",
+            "detail": f"HTTP {code}; prefill prompt tokens +{moved_p:.0f}, decode external prefix cache +{moved_d:.0f}"
+            + ("" if code == 200 else f": {str(body)[:200]}")}
