@@ -163,6 +163,7 @@ class Deployer:
     def __init__(self, inv: Inventory, plan: Plan, rendered: Rendered, opts: DeployOptions,
                  say: Callable[[str], None], on_event: Callable[[str, str, str], None] | None = None):
         self.inv, self.plan, self.rendered, self.opts = inv, plan, rendered, opts
+        self.full_inv, self.full_rendered = inv, rendered  # the smoke test spans the cluster even with --limit
         self.say, self.on_event = say, on_event
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         self.release = _sha(*(f"{h}:{r}" for h, r in sorted(rendered.releases.items())))
@@ -262,7 +263,8 @@ class Deployer:
 
     def smoke(self) -> dict[str, Any]:
         """One long-prompt completion; in P/D both sides' KV-transfer counters must move."""
-        engines = [p for p in desired_procs(self.rendered, self.inv) if p.kind == "engine" and p.serves_http]
+        engines = [p for p in desired_procs(self.full_rendered, self.full_inv)
+                   if p.kind == "engine" and p.serves_http]
         before = {p.id: health.metric_totals(p.ip, p.port) for p in engines}
         if self.plan.proxy:
             url = f"http://{self.plan.proxy.ip}:{self.plan.proxy.port}/v1/completions"
@@ -295,8 +297,22 @@ class Deployer:
 
     # --- the whole run ---------------------------------------------------------------------------------
 
+    def _limit(self) -> None:
+        """--limit: touch only these hosts (the plan still spans the whole cluster)."""
+        keep = set(self.opts.limit or [])
+        if not keep:
+            return
+        r = self.rendered
+        self.rendered = r.model_copy(update={
+            "engines": [e for e in r.engines if e.host in keep],
+            "proxy": r.proxy if r.proxy and r.plan.proxy and r.plan.proxy.host in keep else None,
+            "files": {h: f for h, f in r.files.items() if h in keep},
+            "releases": {h: v for h, v in r.releases.items() if h in keep}})
+        self.inv = self.inv.limited(sorted(keep))
+
     def run(self) -> DeployResult:
         t_all = time.monotonic()
+        self._limit()
         if self.opts.skip_preflight is None and not self.opts.check:
             self._preflight()
         write_rendered(self.rendered, self.run_dir / "rendered")

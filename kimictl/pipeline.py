@@ -17,9 +17,9 @@ class Prepared:
     plan: Plan
 
 
-def prepare(inventory: Path, topology: str, limit: list[str] | None = None) -> Prepared:
-    """Load and validate both inputs and compile the plan; any problem raises an exit-2 error."""
+def prepare(inventory: Path, topology: str) -> Prepared:
+    """Load and validate both inputs and compile the plan (always over every host; --limit narrows what is
+    changed, not the plan); any problem raises an exit-2 error."""
     inv = load_inventory(inventory)
     topo = load_topology(topology)
-    plan = make_plan(inv, topo)
-    return Prepared(inv.limited(limit), topo, plan)
+    return Prepared(inv, topo, make_plan(inv, topo))

@@ -40,7 +40,8 @@ def deploy(
     from kimictl.render import render
 
     err = stderr_console()
-    p = prepare(inventory, topology, limit)
+    p = prepare(inventory, topology)
+    p.inventory.limited(limit)  # unknown --limit hosts: exit 2 before anything runs
     rendered = render(p.plan, p.inventory, p.topology)
     if skip_preflight is not None:
         err.print(f"[yellow]preflight skipped: {skip_preflight}[/]")

@@ -448,11 +448,11 @@ class Sandbox:
         for mp in system.mounts_under(self.dir):
             system.run(["umount", "-l", mp], check=False)
             removed.append(f"mount {mp}")
-        for name in ("hosts", "cp", "bin", "shared"):
+        for name in ("hosts", "cp", "bin", "shared", "checkpoint"):
             shutil.rmtree(self.dir / name, ignore_errors=True)
         shutil.rmtree(client.control_dir(self.dir), ignore_errors=True)
         for name in ("inventory.yml", "ssh_config", "known_hosts", "id_ed25519", "id_ed25519.pub",
-                     "authorized_keys", "etc_hosts", "sandbox.json"):
+                     "authorized_keys", "etc_hosts", "sandbox.json", "checkpoint.json"):
             (self.dir / name).unlink(missing_ok=True)
         if slot is not None:
             rec = SLOTS_DIR / str(slot)

@@ -116,3 +116,14 @@ def test_status_healthy_then_degraded_names_the_stopped_engine(deployed) -> None
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert [(c["id"], c["action"]) for c in json.loads(proc.stdout)["changes"] if c["action"] != "keep"] == [
         ("decode-0-dp2", "start")]
+
+
+def test_limit_narrows_the_changes(deployed, tmp_path: Path) -> None:
+    topo = str(_tuned_topology(tmp_path))
+    for host, expect in (("atlas-01", set()), ("atlas-02", {f"decode-0-dp{r}" for r in range(4)})):
+        proc = kimictl("deploy", "-i", str(deployed.inventory), "--topology", topo, "--check", "--limit", host,
+                       "--output", "json")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert {c["id"] for c in json.loads(proc.stdout)["changes"] if c["action"] != "keep"} == expect
+    proc = kimictl("deploy", "-i", str(deployed.inventory), "--topology", topo, "--check", "--limit", "atlas-9")
+    assert proc.returncode == 2 and "atlas-9" in proc.stderr

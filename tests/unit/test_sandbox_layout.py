@@ -10,14 +10,11 @@ import pytest
 import yaml
 
 from kimictl.errors import InvalidInput
+from kimictl.inventory import KEYS
 from kimictl.sandbox import client, layout
 from kimictl.sandbox.cluster import boot_script, sshd_config, validate_dir
 
-ALLOWED_KIMI_KEYS = {
-    "kimi_cluster", "kimi_model_dir", "kimi_model_source", "kimi_model_id", "kimi_model_endpoint",
-    "kimi_model_revision", "kimi_vllm_ascend_version", "kimi_runtime", "kimi_nic", "kimi_hardware", "kimi_role",
-    "kimi_device_ips", "kimi_engine_command", "kimi_state_dir", "kimi_host_ip", "kimi_proxy_host",
-    "kimi_media_dir", "kimi_draft_model_dir", "kimi_engine_profile"}
+ALLOWED_KIMI_KEYS = set(KEYS)  # the inventory validator's key table
 
 
 def test_interface_names_fit_the_kernel_limit():

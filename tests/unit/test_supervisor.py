@@ -259,7 +259,7 @@ def test_stop_sends_sigterm_first(h: Harness) -> None:
     assert flag.read_text() == "1 term"  # exactly one SIGTERM: a second one makes servers skip their cleanup
     st = h.state()
     assert st["state"] == "stopped" and st["last_exit"]["code"] == 0 and st["child_pid"] is None
-    wait_for(wait_gone(doc["child_pid"], doc["supervisor_pid"]))  # the lock is released just before exit
+    wait_gone(doc["child_pid"], doc["supervisor_pid"])
     assert h.status()[0]["state"] == "stopped"
 
 
@@ -335,7 +335,7 @@ def test_different_command_or_tag_conflicts_unless_replace(h: Harness) -> None:
     new = json.loads(r.stdout)
     assert new["child_pid"] != doc["child_pid"] and new["supervisor_pid"] != doc["supervisor_pid"]
     assert new["tag"] == "r2" and new["state"] == "running"
-    wait_for(wait_gone(doc["child_pid"], doc["supervisor_pid"]))  # the lock is released just before exit
+    wait_gone(doc["child_pid"], doc["supervisor_pid"])
     wait_for(lambda: h.printed("hello again"), "new command's output")
 
 
@@ -405,9 +405,7 @@ def test_stop_is_idempotent_and_stop_all(h: Harness) -> None:
     b = h.started(SLEEPER, name="b")
     r = h.stop(name=None)
     assert r.returncode == 0 and r.stdout.splitlines() == ["a: stopped", "b: stopped"], r.stderr
-    wait_for(
-        wait_gone(a["child_pid"], a["supervisor_pid"], b["child_pid"], b["supervisor_pid"])
-    )  # the lock is released just before exit
+    wait_gone(a["child_pid"], a["supervisor_pid"], b["child_pid"], b["supervisor_pid"])
     r = h.stop(name="a")
     assert r.returncode == 0 and r.stdout.strip() == "already stopped"
     assert [s["state"] for s in h.status()] == ["stopped", "stopped"]

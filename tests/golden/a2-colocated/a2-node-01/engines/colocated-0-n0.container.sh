@@ -3,6 +3,8 @@
 # Rendered by kimictl; do not edit.
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# A SIGKILLed `docker run` client leaves its container behind; a restart must not trip over the name.
+docker rm -f kimi-kimi-a2-pair-colocated-0-n0 >/dev/null 2>&1 || true
 exec docker run --rm --name kimi-kimi-a2-pair-colocated-0-n0 \
   --net=host --shm-size=1g \
   --device /dev/davinci0 \
