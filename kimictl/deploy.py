@@ -317,6 +317,8 @@ class Deployer:
             self._preflight()
         write_rendered(self.rendered, self.run_dir / "rendered")
         (self.run_dir / "plan.json").write_text(json.dumps(self.plan.model_dump(mode="json"), indent=1))
+        # Everything needed to deploy this release again (`kimictl rollback`), without the topology file.
+        (self.run_dir / "rendered.json").write_text(self.full_rendered.model_dump_json())
         procs = desired_procs(self.rendered, self.inv)
         observed = observe(self.inv, accept_new_keys=self.opts.accept_new_host_keys)
         changes = compute_changes(procs, observed)
@@ -473,3 +475,30 @@ def change_diffs(inv: Inventory, rendered: Rendered, changes: list[Change]) -> d
             if diff:
                 out[f"{host}:{pid}:{rel}"] = diff
     return out
+
+
+def rollback_target(cluster: str, to: str | None = None) -> tuple[dict[str, Any], Rendered]:
+    """The release to go back to: `to`, or the last deployed release before the current one."""
+    from kimictl.errors import InvalidInput
+
+    path = control_dir(cluster) / "releases.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    deployed = [r for r in records if r.get("result") == "deployed"]
+    if not deployed:
+        raise InvalidInput(f"no deployed release of cluster {cluster} is recorded in {path}")
+    current = deployed[-1]["release"]
+    if to:
+        matches = [r for r in deployed if r["release"].startswith(to)]
+        if not matches:
+            raise InvalidInput(f"release {to} was never deployed to {cluster}; deployed: "
+                               + ", ".join(dict.fromkeys(r["release"] for r in deployed)))
+        target = matches[-1]
+    else:
+        older = [r for r in deployed if r["release"] != current]
+        if not older:
+            raise InvalidInput(f"cluster {cluster} has only one deployed release ({current}); nothing to roll back to")
+        target = older[-1]
+    snap = Path(target["run_dir"]) / "rendered.json"
+    if not snap.exists():
+        raise InvalidInput(f"release {target['release']} cannot be restored: {snap} is missing")
+    return target, Rendered.model_validate_json(snap.read_text())

@@ -79,3 +79,30 @@ def deploy(
     else:
         typer.echo(f"deployed release {result.release}: {len(todo)} change(s); smoke {result.smoke}")
         typer.echo(f"run directory: {result.run_dir}")
+
+
+@handle_errors
+def rollback(
+    inventory: InventoryOpt,
+    to: Annotated[str | None, typer.Option("--to", help="Release id (prefix) to return to; default the "
+                                                         "previous deployed release.")] = None,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    skip_preflight: Annotated[str | None, typer.Option("--skip-preflight", metavar="REASON")] = None,
+    output: OutputOpt = Output.text,
+) -> None:
+    """Return the whole cluster to the previous release (or --to RELEASE), with the deploy's gates."""
+    from kimictl.deploy import Deployer, DeployOptions, rollback_target
+    from kimictl.inventory import load_inventory
+
+    err = stderr_console()
+    inv = load_inventory(inventory)
+    target, rendered = rollback_target(inv.cluster.name, to)
+    if not yes and sys.stdin.isatty() and sys.stderr.isatty():
+        typer.confirm(f"Roll {inv.cluster.name} back to release {target['release']} ({target['at']})?",
+                      abort=True, err=True)
+    result = Deployer(inv, rendered.plan, rendered, DeployOptions(skip_preflight=skip_preflight),
+                      lambda m: err.print(f"[cyan]rollback[/] {m}", highlight=False)).run()
+    if output == Output.json:
+        emit_json(result.to_json())
+    else:
+        typer.echo(f"rolled back to release {result.release} ({result.result})")

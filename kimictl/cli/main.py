@@ -21,6 +21,7 @@ app.command()(static.render)
 app.command()(static.schema)
 app.command()(preflight.preflight)
 app.command()(deploy.deploy)
+app.command()(deploy.rollback)
 app.command()(status.status)
 app.add_typer(sandbox.app, name="sandbox")
 

@@ -127,3 +127,19 @@ def test_limit_narrows_the_changes(deployed, tmp_path: Path) -> None:
         assert {c["id"] for c in json.loads(proc.stdout)["changes"] if c["action"] != "keep"} == expect
     proc = kimictl("deploy", "-i", str(deployed.inventory), "--topology", topo, "--check", "--limit", "atlas-9")
     assert proc.returncode == 2 and "atlas-9" in proc.stderr
+
+
+def test_rollback_returns_to_the_previous_release(deployed, tmp_path: Path) -> None:
+    deployed.fault("clear:all")
+    original = {n: s["tag"] for n, s in _supervised(deployed, "atlas-02").items()}
+    proc = kimictl("deploy", "-i", str(deployed.inventory), "--topology", str(_tuned_topology(tmp_path)), "--yes",
+                   "--skip-preflight", "test", "--output", "json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    tuned = {n: s["tag"] for n, s in _supervised(deployed, "atlas-02").items()}
+    assert tuned != original
+    proc = kimictl("rollback", "-i", str(deployed.inventory), "--yes", "--skip-preflight", "test", "--output", "json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["result"] == "deployed"
+    assert {n: s["tag"] for n, s in _supervised(deployed, "atlas-02").items()} == original
+    assert "--max-num-seqs 32" in deployed.ssh("atlas-02", "cat /var/lib/kimi/current/engines/decode-0-dp0.sh").stdout
+    assert _complete(deployed)["choices"]
