@@ -18,7 +18,7 @@ step "kimictl deploy -i $D/inventory.yml --topology a3-pd --yes   (preflight, re
 step "kimictl status -i $D/inventory.yml"
 "$K" status -i "$D/inventory.yml" || true
 proxy=$("$K" render -i "$D/inventory.yml" --topology a3-pd --output json \
-        | "$ROOT/.venv/bin/python" -c 'import json,sys; p=json.load(sys.stdin)["proxy"]; print(f"{p[\"host\"]}:{p[\"port\"]}")')
+        | "$ROOT/.venv/bin/python" -c 'import json,sys; p=json.load(sys.stdin)["proxy"]; print("%s:%s" % (p["host"], p["port"]))')
 step "one completion through the P/D proxy at http://$proxy"
 curl -sS "http://$proxy/v1/completions" -H 'Content-Type: application/json' \
   -d '{"model": "kimi-k2.5", "prompt": "Explain prefill/decode disaggregation in one sentence.", "max_tokens": 24}'
