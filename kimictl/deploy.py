@@ -86,6 +86,13 @@ def _sha(*texts: str) -> str:
     return h.hexdigest()[:16]
 
 
+def process_tag(files: dict[str, str], pid: str) -> str:
+    """A process's tag: the hash of exactly the release files it runs (its restart trigger)."""
+    if pid == "proxy":
+        return _sha(files["proxy/proxy.sh"])
+    return _sha(*(files[p] for p in sorted(files) if p.startswith(f"engines/{pid}.")))
+
+
 def desired_procs(rendered: Rendered, inv: Inventory) -> list[Proc]:
     """Supervised processes per host; the tag hashes exactly the files that process runs."""
     plan = rendered.plan
@@ -95,14 +102,13 @@ def desired_procs(rendered: Rendered, inv: Inventory) -> list[Proc]:
         sd = inv.host(e.host).kimi_state_dir
         rel = f"{sd}/releases/{rendered.releases[e.host]}"
         script = f"engines/{e.id}.container.sh" if plan.runtime == "container" else f"engines/{e.id}.sh"
-        tag = _sha(*(files[p] for p in sorted(files) if p.startswith(f"engines/{e.id}.")))
+        tag = process_tag(files, e.id)
         out.append(Proc(e.host, e.id, "engine", tag, ["bash", f"{rel}/{script}"], e.ip, e.port, e.serves_http,
                         e.role))
     if rendered.proxy and plan.proxy:
         host = plan.proxy.host
         sd = inv.host(host).kimi_state_dir
-        text = rendered.files[host]["proxy/proxy.sh"]
-        out.append(Proc(host, "proxy", "proxy", _sha(text),
+        out.append(Proc(host, "proxy", "proxy", process_tag(rendered.files[host], "proxy"),
                         ["bash", f"{sd}/releases/{rendered.releases[host]}/proxy/proxy.sh"],
                         rendered.proxy.host, rendered.proxy.port, True, "proxy"))
     return out
@@ -190,7 +196,7 @@ class Deployer:
                             details=[f"{x.host}: {x.task}" for x in res.failures[1:5]],
                             hint=f"ansible artifacts: {res.artifacts}")
 
-    def _apply(self, stops: dict[str, list[str]], starts: dict[str, list[dict[str, Any]]], what: str) -> None:
+    def apply_actions(self, stops: dict[str, list[str]], starts: dict[str, list[dict[str, Any]]], what: str) -> None:
         hosts = sorted(set(stops) | set(starts))
         if not hosts:
             return
@@ -389,13 +395,13 @@ class Deployer:
         if proxy_change and proxy_change.action in ("stop", "replace"):
             stops.setdefault(proxy_change.host, []).insert(0, "proxy")
         t0 = time.monotonic()
-        self._apply(stops, starts, "engines")
+        self.apply_actions(stops, starts, "engines")
         started = [c.new for c in engine_changes if c.new and c.action in ("start", "replace")]
         self.wait_ready([p for p in started if p is not None])
         self.timings["engines_ready"] = round(time.monotonic() - t0, 2)
         if proxy_change and proxy_change.action in ("start", "replace") and proxy_change.new:
             p = proxy_change.new
-            self._apply({}, {p.host: [{"id": p.id, "cmd": p.cmd, "tag": p.tag, "replace": False}]}, "proxy")
+            self.apply_actions({}, {p.host: [{"id": p.id, "cmd": p.cmd, "tag": p.tag, "replace": False}]}, "proxy")
             self.wait_ready([p])
 
     def _rollback(self, changes: list[Change]) -> None:
@@ -412,7 +418,7 @@ class Deployer:
                                                       "replace": True})
         self.say("rolling back: " + ("restoring the previous release" if starts else "stopping what was started"))
         try:
-            self._apply(stops, starts, "rollback")
+            self.apply_actions(stops, starts, "rollback")
             restored = [Proc(c.host, c.id, "engine", str(c.old.get("tag")), list(c.old["cmd"]), c.new.ip,
                              c.new.port, c.new.serves_http, c.new.role)
                         for c in changes if c.action == "replace" and c.old and c.new]

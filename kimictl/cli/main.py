@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kimictl.cli import deploy, preflight, sandbox, static, status
+from kimictl.cli import deploy, lifecycle, logs, preflight, sandbox, static, status
 
 app = typer.Typer(
     name="kimictl",
@@ -23,6 +23,9 @@ app.command()(preflight.preflight)
 app.command()(deploy.deploy)
 app.command()(deploy.rollback)
 app.command()(status.status)
+app.command()(logs.logs)
+app.command()(lifecycle.stop)
+app.command()(lifecycle.start)
 app.add_typer(sandbox.app, name="sandbox")
 
 

@@ -1,0 +1,196 @@
+"""Stop and start: every supervised process off (releases, weights and `current` kept), or `current` back up."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from kimictl.ansible import close_control_masters
+from kimictl.deploy import LIVE_STATES, Deployer, DeployOptions, Proc, compute_changes, observe, process_tag
+from kimictl.errors import HostError
+from kimictl.inventory import Inventory
+from kimictl.logs import role_of
+from kimictl.ssh import Sessions, SSHError
+from kimictl.state import control_dir
+
+# Stopping in this order: clients go away before the engines they reach (proxy, then decode, which pulls
+# KV from prefill, then prefill and anything else).
+STOP_PHASES = (("proxy",), ("decode",), ("prefill", "colocated", "?"))
+RUNNING = (*LIVE_STATES, "stopping", "dead")  # "dead": the supervisor is gone, its child may not be
+
+
+@dataclass
+class LifecycleResult:
+    cluster: str
+    action: str  # stop | start
+    result: str  # stopped | already-stopped | started | already-running
+    hosts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    run_dir: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": 1, "cluster": self.cluster, "action": self.action, "result": self.result,
+                "hosts": self.hosts, "run_dir": self.run_dir}
+
+
+def _deployer(inv: Inventory, name: str, served_model_name: str, releases: dict[str, str],
+              opts: DeployOptions, say: Callable[[str], None],
+              on_event: Callable[[str, str, str], None] | None) -> Deployer:
+    """A Deployer used for its playbook runs and readiness wait only; it needs just these plan fields."""
+    plan = types.SimpleNamespace(cluster=inv.cluster.name, served_model_name=served_model_name)
+    rendered = types.SimpleNamespace(releases=releases)
+    d = Deployer(inv, plan, rendered, opts, say, on_event)  # type: ignore[arg-type]
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    d.run_dir = control_dir(inv.cluster.name) / "runs" / f"{stamp}-{name}"
+    return d
+
+
+# --- stop ------------------------------------------------------------------------------------------------
+
+def stop_plan(states: dict[str, dict[str, dict[str, Any]]]) -> list[dict[str, list[str]]]:
+    """Per phase, the running ids to stop on each host; empty phases are left out."""
+    phases: list[dict[str, list[str]]] = []
+    for roles in STOP_PHASES:
+        phase = {h: sorted(pid for pid, st in sts.items() if role_of(pid) in roles and st.get("state") in RUNNING)
+                 for h, sts in sorted(states.items())}
+        phase = {h: ids for h, ids in phase.items() if ids}
+        if phase:
+            phases.append(phase)
+    return phases
+
+
+def stop(inv: Inventory, *, say: Callable[[str], None], on_event: Callable[[str, str, str], None] | None = None,
+         accept_new_host_keys: bool = False) -> LifecycleResult:
+    """Stop every supervised engine and the proxy on the inventory's hosts; idempotent."""
+    observed = observe(inv, accept_new_keys=accept_new_host_keys)
+    states = {h: o.states for h, o in observed.items()}
+    phases = stop_plan(states)
+    hosts = {h: {"current": o.current, "stopped": []} for h, o in observed.items()}
+    if not phases:
+        say("nothing runs: every supervised process is already stopped")
+        return LifecycleResult(inv.cluster.name, "stop", "already-stopped", hosts)
+    d = _deployer(inv, "stop", "", {}, DeployOptions(accept_new_host_keys=accept_new_host_keys), say, on_event)
+    try:
+        for phase in phases:
+            d.apply_actions(phase, {}, "stop")
+            for h, ids in phase.items():
+                hosts[h]["stopped"] += ids
+    finally:
+        close_control_masters(d.run_dir)
+    after = observe(inv, accept_new_keys=accept_new_host_keys)
+    left = [(h, pid, st.get("state")) for h, o in after.items() for pid, st in o.states.items()
+            if st.get("state") in RUNNING]
+    if left:
+        h, pid, _state = left[0]
+        raise HostError(f"{len(left)} process(es) still run after stop: "
+                        + ", ".join(f"{x[0]}:{x[1]} ({x[2]})" for x in left), host=h, step="stop",
+                        log_tail=d.log_tail(h, pid))
+    return LifecycleResult(inv.cluster.name, "stop", "stopped", hosts, str(d.run_dir))
+
+
+# --- start -----------------------------------------------------------------------------------------------
+
+# One round trip per host: the current release's manifest and the files whose hashes make the tags.
+_READ_CURRENT = r"""
+import json, os, sys
+sd = sys.argv[1]; cur = os.path.join(sd, "current")
+if not os.path.islink(cur):
+    print("null"); sys.exit(0)
+rel = os.path.realpath(cur); files = {}
+for sub in ("engines", "proxy"):
+    d = os.path.join(rel, sub)
+    for n in (sorted(os.listdir(d)) if os.path.isdir(d) else []):
+        with open(os.path.join(d, n), encoding="utf-8") as f:
+            files[sub + "/" + n] = f.read()
+with open(os.path.join(rel, "manifest.json"), encoding="utf-8") as f:
+    man = json.load(f)
+print(json.dumps({"release": os.path.basename(rel), "manifest": man, "files": files}))
+"""
+
+
+def read_current(inv: Inventory, timeout: float = 30.0, accept_new_keys: bool = False) -> dict[str, Any]:
+    """Per host: {release, manifest, files} of `current`, or None when the host has no current release."""
+
+    def one(name: str, s) -> Any:
+        res = s.run(f"python3 - {shlex.quote(inv.host(name).kimi_state_dir)}", timeout=timeout,
+                    stdin=_READ_CURRENT)
+        if res.rc != 0:
+            raise SSHError(f"{name}: cannot read the current release: {res.stderr.strip()[-300:]}")
+        return json.loads(res.stdout)
+
+    with Sessions(inv, timeout=timeout, accept_new_keys=accept_new_keys) as sessions:
+        got = sessions.each(one)
+    bad = {h: r for h, r in got.items() if isinstance(r, SSHError)}
+    if bad:
+        raise HostError(f"cannot read the current release of {len(bad)} host(s)", host=next(iter(bad)),
+                        step="read current", details=[str(e) for e in bad.values()])
+    return got
+
+
+def current_procs(inv: Inventory, current: dict[str, Any]) -> list[Proc]:
+    """The processes of each host's current release, as `desired_procs` would describe them at deploy time."""
+    procs: list[Proc] = []
+    for name, cur in current.items():
+        h = inv.host(name)
+        base = f"{h.kimi_state_dir}/releases/{cur['release']}"
+        man, files = cur["manifest"], cur["files"]
+        for e in man.get("engines", []):
+            procs.append(Proc(name, e["id"], "engine", process_tag(files, e["id"]),
+                              ["bash", f"{base}/{e['command'][1]}"], h.ip, int(e["port"]), bool(e["serves_http"]),
+                              e["role"]))
+        if man.get("proxy"):
+            p = man["proxy"]
+            procs.append(Proc(name, "proxy", "proxy", process_tag(files, "proxy"),
+                              ["bash", f"{base}/{p['command'][1]}"], h.ip, int(p["port"]), True, "proxy"))
+    return procs
+
+
+def start(inv: Inventory, *, say: Callable[[str], None], on_event: Callable[[str, str, str], None] | None = None,
+          ready_timeout: float | None = None, accept_new_host_keys: bool = False) -> LifecycleResult:
+    """Start each host's current release (engines, readiness, then the proxy); idempotent."""
+    current = read_current(inv, accept_new_keys=accept_new_host_keys)
+    missing = sorted(h for h, c in current.items() if not c)
+    if missing:
+        raise HostError(f"no current release on {', '.join(missing)}; nothing was started", host=missing[0],
+                        step="read current", hint="deploy first: kimictl deploy -i INV --topology T")
+    procs = current_procs(inv, current)
+    observed = observe(inv, accept_new_keys=accept_new_host_keys)
+    changes = compute_changes(procs, observed)
+    # Something else runs under a current id (another release): that is deploy's or rollback's job.
+    conflicts = [c for c in changes if c.action == "replace"]
+    if conflicts:
+        c = conflicts[0]
+        raise HostError(f"{len(conflicts)} process(es) run another release than current: "
+                        + ", ".join(f"{x.host}:{x.id}" for x in conflicts) + "; nothing was started",
+                        host=c.host, step="start", hint="converge with `kimictl deploy` or `kimictl rollback`")
+    todo = {(c.host, c.id) for c in changes if c.action == "start"}
+    served = next((c["manifest"].get("served_model_name") for c in current.values()), "") or ""
+    hosts: dict[str, dict[str, Any]] = {h: {"release": c["release"], "started": [], "kept": []}
+                                        for h, c in current.items()}
+    for p in procs:
+        hosts[p.host]["started" if (p.host, p.id) in todo else "kept"].append(p.id)
+    d = _deployer(inv, "start", served, {h: c["release"] for h, c in current.items()},
+                  DeployOptions(ready_timeout=ready_timeout, accept_new_host_keys=accept_new_host_keys), say, on_event)
+
+    def starts(group: list[Proc]) -> dict[str, list[dict[str, Any]]]:
+        out: dict[str, list[dict[str, Any]]] = {}
+        for p in group:
+            if (p.host, p.id) in todo:
+                out.setdefault(p.host, []).append({"id": p.id, "cmd": p.cmd, "tag": p.tag, "replace": False})
+        return out
+
+    engines = [p for p in procs if p.kind == "engine"]
+    proxies = [p for p in procs if p.kind == "proxy"]
+    try:
+        d.apply_actions({}, starts(engines), "engines")
+        d.wait_ready(engines)  # returns at once for engines that already answer
+        d.apply_actions({}, starts(proxies), "proxy")
+        d.wait_ready(proxies)
+    finally:
+        close_control_masters(d.run_dir)
+    return LifecycleResult(inv.cluster.name, "start", "started" if todo else "already-running", hosts,
+                           str(d.run_dir) if todo else None)

@@ -1,0 +1,458 @@
+"""Logs: tail engine/proxy logs over SSH and write a redacted diagnostics bundle (read-only on hosts)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+import tempfile
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kimictl.errors import InvalidInput
+from kimictl.inventory import Inventory
+from kimictl.ssh import Sessions, SSHError
+from kimictl.state import control_dir
+
+ROLES = ("prefill", "decode", "colocated", "proxy")
+MASK = "[REDACTED]"
+SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MODELSCOPE_API_TOKEN", "MODELSCOPE_TOKEN",
+                   "OPENAI_API_KEY", "VLLM_API_KEY", "KIMICTL_API_KEY")
+MIN_LITERAL = 4  # shorter "secrets" would blank out ordinary text; they are reported, not used
+DEFAULT_MAX_FILE_BYTES = 32 * 2**20
+CONTROL_DIR_NAME = "_control-node"  # '_' cannot start an inventory host name, so it never collides
+
+# --- redaction -------------------------------------------------------------------------------------------
+
+_KEY = r"(?:token|secret|password|passwd|api[_-]?key|authorization|cookie|credential)"
+# Keys that contain "token" but never hold one (vLLM flags, metrics): keeping them keeps logs useful.
+_BENIGN_KEY = re.compile(r"(?i)tokens|tokeniz|token_?(?:ids?|threshold|budget|count|len|length|limit|type)\b")
+_KC = r"[A-Za-z0-9_.\-]"
+_KEYBODY = rf"{_KC}*{_KEY}{_KC}*"
+# Anchored at the start of a name run: without it a long run of name characters backtracks quadratically.
+_KEYNAME = rf"(?<!{_KC}){_KEYBODY}"
+_QUOTED = r"\"(?:[^\"\\\n]|\\.)*\"|'[^'\n]*'"
+_BARE = r"[^\s\"',;&)\]}]+"
+_LIST = r"\[[^\]\n]*\]"
+
+_PATTERNS: list[tuple[str, re.Pattern[str]]] = [
+    # JSON / Python-repr argv items: "--api-key", "sk-1"  |  '--api-key', 'sk-1'
+    ("argv-list", re.compile(rf"(?i)(?P<pre>([\"'])--?{_KEYBODY}\2\s*,\s*)(?P<val>{_QUOTED})")),
+    # command lines: --api-key sk-1 | --api-key=sk-1 | --hf-token 'x'
+    ("argv", re.compile(rf"(?i)(?P<pre>(?<![\w-])--?{_KEYBODY}(?:=|[ \t]+))(?P<val>{_QUOTED}|{_BARE})")),
+    # HTTP headers: the whole rest of the line is the credential
+    ("header", re.compile(r"(?im)(?P<pre>\b(?:proxy-)?(?:authorization|(?:set-)?cookie)\s*:\s*)(?P<val>[^\n\"']+)")),
+    # JSON / YAML / repr: "api_key": "x" | api_key: x | 'token': ['x']
+    ("key-colon", re.compile(rf"(?i)(?P<pre>([\"']?)\b{_KEYNAME}\2\s*:[ \t]*)(?P<val>{_QUOTED}|{_LIST}|{_BARE})")),
+    # env / shell / URL query: HF_TOKEN=x | export HF_TOKEN='x' | ?token=x
+    ("key-equals", re.compile(rf"(?i)(?P<pre>\b{_KEYNAME}\s*=[ \t]*)(?P<val>{_QUOTED}|{_BARE})")),
+    ("bearer", re.compile(r"(?i)(?P<pre>\bbearer\s+)(?P<val>[A-Za-z0-9._~+/=-]+)")),
+    ("huggingface", re.compile(r"(?P<pre>)(?P<val>\bhf_[A-Za-z0-9]{20,})")),
+    ("modelscope", re.compile(r"(?i)(?P<pre>)(?P<val>\bms-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-"
+                                    r"[0-9a-f]{12}\b)")),
+    ("modelscope-session", re.compile(r"(?i)(?P<pre>\bm_session_id\s*[=:]\s*)(?P<val>[^\s;&\"',]+)")),
+    ("openai", re.compile(r"(?P<pre>)(?P<val>\bsk-[A-Za-z0-9_-]{20,})")),
+]
+
+# Cheap scan (str.find, C speed) for where a pattern could match; the patterns then run on those lines and
+# the next only, so a large log without secrets costs a few passes. Every pattern needs one of these words.
+_HOT_WORDS = ("token", "secret", "passw", "apikey", "api_key", "api-key", "authoriz", "cookie", "credential",
+              "bearer", "m_session", "hf_", "ms-", "sk-")
+_ASCII_LOWER = {c: c + 32 for c in range(ord("A"), ord("Z") + 1)}
+
+
+def _hot_spans(text: str) -> list[tuple[int, int]]:
+    """Merged [start, end) ranges: each hot word's line plus the following line (JSON argv wraps)."""
+    low = text.lower()
+    if len(low) != len(text):  # a few non-ASCII characters change length when lowered
+        low = text.translate(_ASCII_LOWER)
+    hits: list[int] = []
+    for w in _HOT_WORDS:
+        i = low.find(w)
+        while i >= 0:
+            after = low[i + len(w):i + len(w) + 2]
+            if w == "token" and ((after[:1] == "s" and not after[1:2].isalnum()) or after == "iz"):
+                pass  # "tokens/s", "tokenizer": never a secret, and on every vLLM stats line
+            elif w in ("hf_", "ms-", "sk-") and i > 0 and low[i - 1].isalnum():
+                pass
+            else:
+                hits.append(i)
+            i = low.find(w, i + 1)
+    spans: list[list[int]] = []
+    for i in sorted(hits):
+        start = text.rfind("\n", 0, i) + 1
+        if spans and i < spans[-1][1]:
+            continue
+        nl = text.find("\n", i)
+        nl2 = text.find("\n", nl + 1) if nl >= 0 else -1
+        end = len(text) if nl2 < 0 else nl2
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        else:
+            spans.append([start, end])
+    return [(a, b) for a, b in spans]
+
+
+def _masked(val: str) -> str:
+    """The replacement keeps the quoting so redacted JSON/env files still parse."""
+    if len(val) >= 2 and val[0] == val[-1] and val[0] in "\"'":
+        return f"{val[0]}{MASK}{val[0]}"
+    if val.startswith("["):
+        return f"['{MASK}']" if "'" in val else f'["{MASK}"]'
+    return MASK
+
+
+@dataclass
+class Redactor:
+    """Masks secrets in text: configured literal values first, then the key/value and token patterns."""
+
+    literals: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    skipped_short: int = 0
+
+    @classmethod
+    def from_config(cls, environ: dict[str, str] | None = None, secrets_file: Path | None = None) -> Redactor:
+        env = os.environ if environ is None else environ
+        values = [env.get(k, "") for k in SECRET_ENV_VARS]
+        if secrets_file is not None:
+            try:
+                text = Path(secrets_file).read_text()
+            except OSError as exc:
+                raise InvalidInput(f"cannot read --secrets-file {secrets_file}: {exc.strerror or exc}") from None
+            values += [line.strip() for line in text.splitlines()]
+        return cls.with_literals(values)
+
+    @classmethod
+    def with_literals(cls, values: Iterable[str]) -> Redactor:
+        r = cls()
+        lits: set[str] = set()
+        for v in (v.strip() for v in values):
+            if not v:
+                continue
+            if len(v) < MIN_LITERAL:
+                r.skipped_short += 1
+                continue
+            # the same value as it appears JSON-escaped or URL-encoded in logs and records
+            lits |= {v, json.dumps(v)[1:-1], urllib.parse.quote(v, safe=""), urllib.parse.quote_plus(v)}
+        r.literals = sorted(lits, key=len, reverse=True)  # longest first: a value containing another
+        return r
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def _count(self, kind: str, n: int = 1) -> None:
+        if n:
+            self.counts[kind] = self.counts.get(kind, 0) + n
+
+    def redact(self, text: str) -> str:
+        for lit in self.literals:
+            if lit in text:
+                self._count("literal", text.count(lit))
+                text = text.replace(lit, MASK)
+        parts: list[str] = []
+        pos = 0
+        for a, b in _hot_spans(text):
+            chunk = text[a:b]
+            for kind, pat in _PATTERNS:
+                chunk = pat.sub(lambda m, k=kind: self._sub(m, k), chunk)
+            parts += [text[pos:a], chunk]
+            pos = b
+        parts.append(text[pos:])
+        return "".join(parts)
+
+    def _sub(self, m: re.Match[str], kind: str) -> str:
+        val = m.group("val")
+        if MASK in val or m.string.startswith(MASK, m.start("val")):  # already masked (a literal, an earlier pattern)
+            return m.group(0)
+        if kind in ("argv", "argv-list", "key-colon", "key-equals"):
+            key = re.search(_KEYBODY, m.group("pre"), re.I)
+            # "max_num_batched_tokens" is no secret, "secret_tokens" is: judge what is left without the benign part
+            if key is None or not re.search(_KEY, _BENIGN_KEY.sub("", key.group(0)), re.I):
+                return m.group(0)
+        self._count(kind)
+        return m.group("pre") + _masked(val)
+
+
+# --- what runs where -------------------------------------------------------------------------------------
+
+def role_of(pid: str) -> str:
+    """Role from a supervised id when no manifest says it (ids are <role>-<n>-dp<r> / proxy)."""
+    if pid == "proxy":
+        return "proxy"
+    for r in ("prefill", "decode", "colocated"):
+        if pid.startswith(r):
+            return r
+    return "?"
+
+
+@dataclass
+class Target:
+    host: str
+    id: str
+    role: str
+    path: str
+
+
+def select(found: dict[str, dict[str, Any]], roles: list[str] | None, engines: list[str] | None) -> list[Target]:
+    """Filter each host's processes (manifest of `current`, else supervisor states) by role and id."""
+    out: list[Target] = []
+    for host, info in found.items():
+        sd = info["sd"]
+        procs: dict[str, str] = {}
+        man = info.get("manifest")
+        if isinstance(man, dict):
+            procs = {e["id"]: e["role"] for e in man.get("engines", [])}
+            if man.get("proxy"):
+                procs["proxy"] = "proxy"
+        else:
+            procs = {pid: role_of(pid) for pid in info.get("states", [])}
+        for pid, role in procs.items():
+            if roles and role not in roles:
+                continue
+            if engines and pid not in engines:
+                continue
+            out.append(Target(host, pid, role, f"{sd}/logs/{pid}.log"))
+    return out
+
+
+# One round trip per host; python3 is there (the supervisor needs it). Argument: JSON.
+_TAIL_SCRIPT = r"""
+import glob, json, os, sys
+a = json.loads(sys.argv[1]); sd = a["sd"]
+def tail(path, n):
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2); end = f.tell(); pos = end; buf = b""
+            while pos > 0 and buf.count(b"\n") <= n:
+                step = min(65536, pos); pos -= step; f.seek(pos); buf = f.read(step) + buf
+    except OSError:
+        return None
+    lines = buf.decode("utf-8", "replace").splitlines()
+    return lines[-n:] if n > 0 else []
+try:
+    man = json.load(open(os.path.join(sd, "current", "manifest.json")))
+except (OSError, ValueError):
+    man = None
+ids = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(sd, "run", "*.json")))
+want = ([e["id"] for e in man.get("engines", [])] + (["proxy"] if man.get("proxy") else [])) if man else ids
+logs = {i: tail(os.path.join(sd, "logs", i + ".log"), a["lines"]) for i in want}
+print(json.dumps({"manifest": man, "states": ids, "logs": logs}))
+"""
+
+
+def collect_tails(inv: Inventory, lines: int, timeout: float = 30.0
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """Per host: manifest, supervised ids and the last `lines` lines of every process's log."""
+
+    def one(name: str, s) -> dict[str, Any]:
+        sd = inv.host(name).kimi_state_dir
+        res = s.run(f"python3 - {_q(json.dumps({'sd': sd, 'lines': lines}))}", timeout=timeout, stdin=_TAIL_SCRIPT)
+        if res.rc != 0:
+            raise SSHError(f"{name}: reading logs failed (rc {res.rc}): {res.stderr.strip()[-300:]}")
+        return json.loads(res.stdout) | {"sd": sd}
+
+    with Sessions(inv, timeout=timeout) as sessions:
+        got = sessions.each(one)
+    ok = {h: v for h, v in got.items() if not isinstance(v, SSHError)}
+    bad = {h: str(v) for h, v in got.items() if isinstance(v, SSHError)}
+    return ok, bad
+
+
+def tail_logs(inv: Inventory, *, roles: list[str] | None = None, engines: list[str] | None = None,
+              lines: int = 50, redactor: Redactor | None = None) -> dict[str, Any]:
+    """The `logs --output json` document: one entry per selected engine/proxy, plus unreachable hosts."""
+    found, bad = collect_tails(inv, lines)
+    targets = select(found, roles, engines)
+    if engines and not bad:
+        known = {t.id for t in select(found, None, None)}
+        unknown = [e for e in engines if e not in known]
+        if unknown:
+            raise InvalidInput(f"no such engine: {', '.join(unknown)}", hint="known: " + ", ".join(sorted(known)))
+    out = []
+    for t in targets:
+        got = found[t.host]["logs"].get(t.id)
+        text = "\n".join(got) if got is not None else None
+        if text and redactor is not None:
+            text = redactor.redact(text)
+        out.append({"host": t.host, "id": t.id, "role": t.role, "path": t.path, "missing": got is None,
+                    "lines": text.split("\n") if text else []})
+    return {"schema_version": 1, "cluster": inv.cluster.name, "lines": lines, "logs": out,
+            "redactions": redactor.total if redactor else 0,
+            "errors": [{"host": h, "error": e} for h, e in sorted(bad.items())]}
+
+
+# --- bundle ----------------------------------------------------------------------------------------------
+
+_BUNDLE_SCRIPT = r"""
+import glob, json, os, platform, socket, subprocess, sys
+a = json.loads(sys.argv[1]); sd, cap = a["sd"], a["cap"]
+files, errors = {}, []
+env = dict(os.environ)
+env["PATH"] = ("/usr/local/bin:/usr/local/sbin:/usr/local/Ascend/driver/tools:/usr/sbin:/usr/bin:/sbin:/bin:"
+               + env.get("PATH", ""))
+env["LC_ALL"] = "C"
+def read(path, name):
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if cap and size > cap:
+                f.seek(size - cap); data = f.read(); data = data[data.find(b"\n") + 1:]
+                data = ("[kimictl: first %d of %d bytes left out]\n" % (size - len(data), size)).encode() + data
+            else:
+                data = f.read()
+        files[name] = data.decode("utf-8", "replace")
+    except OSError as e:
+        errors.append("%s: %s" % (name, e))
+def run(argv, name):
+    try:
+        p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30, env=env)
+        out = p.stdout.decode("utf-8", "replace")
+        files[name] = out if p.returncode == 0 else out + "\n[kimictl: exit code %d]\n" % p.returncode
+    except OSError as e:
+        files[name] = "[kimictl: cannot run %s: %s]\n" % (argv[0], e)
+    except subprocess.TimeoutExpired:
+        files[name] = "[kimictl: %s timed out after 30s]\n" % " ".join(argv)
+run(["npu-smi", "info"], "npu-smi-info.txt")
+for i in range(a["npus"]):
+    run(["hccn_tool", "-i", str(i), "-link", "-g"], "hccn/npu%02d-link.txt" % i)
+    run(["hccn_tool", "-i", str(i), "-net_health", "-g"], "hccn/npu%02d-net_health.txt" % i)
+for p in sorted(glob.glob(os.path.join(sd, "logs", "*.log")) + glob.glob(os.path.join(sd, "logs", "*.log.1"))):
+    read(p, "logs/" + os.path.basename(p))
+cur = None
+if os.path.islink(os.path.join(sd, "current")):
+    cur = os.path.realpath(os.path.join(sd, "current"))
+    for root, _dirs, names in os.walk(cur):
+        for n in sorted(names):
+            full = os.path.join(root, n)
+            read(full, "release/" + os.path.relpath(full, cur))
+for p in sorted(glob.glob(os.path.join(sd, "run", "*.json"))):
+    read(p, "run/" + os.path.basename(p))
+sup = os.path.join(sd, "bin", "supervisor.py")
+if os.path.exists(sup):
+    run([sys.executable, sup, "status", "--run-dir", os.path.join(sd, "run")], "supervisor-status.json")
+meta = {"hostname": socket.gethostname(), "uname": " ".join(platform.uname()), "state_dir": sd,
+        "current": os.path.basename(cur) if cur else None, "errors": errors}
+sys.stdout.write(json.dumps({"files": files, "meta": meta}))
+"""
+
+
+def _q(s: str) -> str:
+    import shlex
+
+    return shlex.quote(s)
+
+
+def collect_host_files(inv: Inventory, max_file_bytes: int, timeout: float = 300.0
+                       ) -> dict[str, dict[str, Any] | SSHError]:
+    """Per host {files: {relpath: text}, meta}; one SSH round trip per host, all hosts in parallel."""
+
+    def one(name: str, s) -> dict[str, Any]:
+        h = inv.host(name)
+        arg = json.dumps({"sd": h.kimi_state_dir, "cap": max_file_bytes, "npus": h.hardware.npus})
+        res = s.run(f"python3 - {_q(arg)}", timeout=timeout, stdin=_BUNDLE_SCRIPT)
+        if res.rc != 0:
+            raise SSHError(f"{name}: collecting files failed (rc {res.rc}): {res.stderr.strip()[-300:]}")
+        return json.loads(res.stdout)
+
+    with Sessions(inv, timeout=15.0) as sessions:
+        return sessions.each(one)
+
+
+def control_files(cluster: str) -> dict[str, str]:
+    """releases.jsonl, current.json and the newest run's plan.json from the control node's state."""
+    base = control_dir(cluster)
+    out: dict[str, str] = {}
+    for name in ("releases.jsonl", "current.json"):
+        p = base / name
+        if p.is_file():
+            out[name] = p.read_text(errors="replace")
+    runs = sorted((d for d in (base / "runs").glob("*") if (d / "plan.json").is_file()),
+                  key=lambda d: d.name) if (base / "runs").is_dir() else []
+    if runs:
+        out["plan.json"] = (runs[-1] / "plan.json").read_text(errors="replace")
+        out["plan-run.txt"] = f"{runs[-1]}\n"
+    return out
+
+
+@dataclass
+class BundleResult:
+    path: str
+    files: int
+    bytes: int
+    redactions: int
+    redactions_by_kind: dict[str, int]
+    hosts: dict[str, str]  # host -> "ok" | error
+    skipped_short_secrets: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": 1, "path": self.path, "files": self.files, "bytes": self.bytes,
+                "redactions": self.redactions, "redactions_by_kind": self.redactions_by_kind,
+                "hosts": self.hosts, "skipped_short_secrets": self.skipped_short_secrets}
+
+
+def write_tarball(dest: Path, members: dict[str, str]) -> int:
+    """gzip tarball with mode 0600, written to a temp file in the same directory and renamed into place."""
+    dest = Path(dest)
+    parent = dest.parent if str(dest.parent) else Path(".")
+    if not parent.is_dir():
+        raise InvalidInput(f"cannot write the bundle: directory {parent} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=parent)
+    try:
+        os.fchmod(fd, 0o600)
+        now = time.time()
+        with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
+            for name in sorted(members):
+                data = members[name].encode()
+                info = tarfile.TarInfo(name)
+                info.size, info.mtime, info.mode = len(data), now, 0o600
+                tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, dest)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return dest.stat().st_size
+
+
+def build_bundle(inv: Inventory, dest: Path, redactor: Redactor, *,
+                 max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                 say: Callable[[str], None] = lambda _m: None) -> BundleResult:
+    """Collect every host's diagnostics and the control node's records; redact; write one tarball."""
+    cluster = inv.cluster.name
+    say(f"collecting from {len(inv.hosts)} host(s)")
+    got = collect_host_files(inv, max_file_bytes)
+    members: dict[str, str] = {}
+    hosts: dict[str, str] = {}
+    by_file: dict[str, int] = {}
+
+    def add(name: str, text: str) -> None:
+        before = redactor.total
+        members[name] = redactor.redact(text)
+        if redactor.total > before:
+            by_file[name] = redactor.total - before
+
+    for h in inv.hosts:
+        res = got.get(h.name)
+        if isinstance(res, SSHError) or res is None:
+            hosts[h.name] = str(res) if res else "not collected"
+            add(f"{cluster}/{h.name}/ERROR.txt", f"{hosts[h.name]}\n")
+            continue
+        hosts[h.name] = "ok"
+        for rel, text in res["files"].items():
+            add(f"{cluster}/{h.name}/{rel}", text)
+        add(f"{cluster}/{h.name}/host.json", json.dumps(res["meta"], indent=1) + "\n")
+    for rel, text in control_files(cluster).items():
+        add(f"{cluster}/{CONTROL_DIR_NAME}/{rel}", text)
+    index = {"schema_version": 1, "cluster": cluster, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "hosts": hosts, "redactions": redactor.total, "redactions_by_kind": redactor.counts,
+             "redactions_by_file": by_file, "files": sorted(members)}
+    add(f"{cluster}/bundle.json", json.dumps(index, indent=1) + "\n")
+    size = write_tarball(dest, members)
+    return BundleResult(str(dest), len(members), size, redactor.total, dict(redactor.counts), hosts,
+                        redactor.skipped_short)

