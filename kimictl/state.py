@@ -35,3 +35,16 @@ def write_manifest(cluster: str, files: list[dict], source: dict) -> Path:
     tmp.write_text(json.dumps({"source": source, "files": files}, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)
     return path
+
+
+def deployed_diff(cluster: str, releases: dict[str, str]) -> dict:
+    """Compare a render's per-host release ids with the last successful deploy (control-node record only)."""
+    path = control_dir(cluster) / "current.json"
+    try:
+        rec = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"release": None, "changed_hosts": sorted(releases), "removed_hosts": []}
+    old = rec.get("hosts", {})
+    return {"release": rec.get("release"), "deployed_at": rec.get("at"),
+            "changed_hosts": sorted(h for h, r in releases.items() if old.get(h) != r),
+            "removed_hosts": sorted(h for h in old if h not in releases)}

@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from kimictl.cli.common import InventoryOpt, Output, OutputOpt, TopologyOpt, emit_json, handle_errors
+from kimictl.errors import EXIT_DEGRADED
 
 
 @handle_errors
@@ -61,17 +62,35 @@ def validate(
 
 
 @handle_errors
-def plan(inventory: InventoryOpt, topology: TopologyOpt, output: OutputOpt = Output.text) -> None:
-    """Show host->role assignment, DP x TP x EP, per-NPU HBM and KV capacity (estimates), ports, switches."""
+def plan(
+    inventory: InventoryOpt,
+    topology: TopologyOpt,
+    output: OutputOpt = Output.text,
+    detailed_exitcode: Annotated[bool, typer.Option("--detailed-exitcode",
+                                                    help="Exit 3 when the plan differs from the deploy.")] = False,
+) -> None:
+    """Show host->role assignment, DP x TP x EP, per-NPU HBM and KV capacity (estimates), ports, switches,
+    and which hosts would change against the last recorded deploy."""
     from kimictl.pipeline import prepare
+    from kimictl.render import render as do_render
+    from kimictl.state import deployed_diff
 
     p = prepare(inventory, topology)
+    diff = deployed_diff(p.plan.cluster, do_render(p.plan, p.inventory, p.topology).releases)
     if output == Output.json:
-        emit_json({"schema_version": 1, **p.plan.model_dump(mode="json")})
-        return
-    from kimictl.cli.views import plan_view, print_to_stdout
+        emit_json({"schema_version": 1, **p.plan.model_dump(mode="json"), "deployed": diff})
+    else:
+        from kimictl.cli.views import plan_view, print_to_stdout
 
-    print_to_stdout(plan_view(p.plan))
+        print_to_stdout(plan_view(p.plan))
+        if diff["release"] is None:
+            typer.echo(f"deployed: nothing recorded for cluster {p.plan.cluster}; deploy would start everything")
+        elif diff["changed_hosts"]:
+            typer.echo(f"deployed: release {diff['release']}; this plan changes {', '.join(diff['changed_hosts'])}")
+        else:
+            typer.echo(f"deployed: release {diff['release']}; no changes")
+    if detailed_exitcode and (diff["release"] is None or diff["changed_hosts"]):
+        raise typer.Exit(EXIT_DEGRADED)
 
 
 @handle_errors

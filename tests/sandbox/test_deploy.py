@@ -68,6 +68,8 @@ def test_second_deploy_is_a_no_op(deployed) -> None:
     assert json.loads(proc.stdout)["result"] == "no-changes"
     after = {h: {n: s["child_pid"] for n, s in _supervised(deployed, h).items()} for h in deployed.hosts}
     assert after == before
+    plan = kimictl("plan", "-i", str(deployed.inventory), "--topology", "a3-pd", "--detailed-exitcode")
+    assert plan.returncode == 0 and "no changes" in plan.stdout
 
 
 def test_check_diff_shows_only_the_changed_role(deployed, tmp_path: Path) -> None:
@@ -82,6 +84,9 @@ def test_check_diff_shows_only_the_changed_role(deployed, tmp_path: Path) -> Non
     assert all("-  --max-num-seqs 32" in d and "+  --max-num-seqs 24" in d for d in doc["diffs"].values())
     assert {k.rsplit(":", 1)[1] for k in doc["diffs"]} == {f"engines/decode-0-dp{r}.sh" for r in range(4)}
     assert _supervised(deployed, "atlas-02") == before  # --check changed nothing
+    plan = kimictl("plan", "-i", str(deployed.inventory), "--topology", str(topo), "--detailed-exitcode",
+                   "--output", "json")
+    assert plan.returncode == 3 and json.loads(plan.stdout)["deployed"]["changed_hosts"] == ["atlas-02"]
 
 
 def test_crashing_release_rolls_back_and_old_release_keeps_answering(deployed, tmp_path: Path) -> None:

@@ -67,3 +67,17 @@ def test_build_run_spec_is_pure(tmp_path: Path) -> None:
     assert spec.envvars["ANSIBLE_HOST_KEY_CHECKING"] == "True" and spec.envvars["ANSIBLE_PIPELINING"] == "True"
     assert spec.envvars["ANSIBLE_SSH_CONTROL_PATH_DIR"] == str(tmp_path / "cp")
     assert spec.extravars == {"kimi": {"x": 1}}
+
+
+def test_deployed_diff(tmp_path: Path, monkeypatch) -> None:
+    import json
+
+    from kimictl.state import control_dir, deployed_diff
+
+    monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path))
+    assert deployed_diff("c1", {"a": "r1"}) == {"release": None, "changed_hosts": ["a"], "removed_hosts": []}
+    control_dir("c1").mkdir(parents=True)
+    (control_dir("c1") / "current.json").write_text(json.dumps({"release": "R", "at": "t",
+                                                                 "hosts": {"a": "r1", "b": "r2", "c": "r3"}}))
+    d = deployed_diff("c1", {"a": "r1", "b": "new"})
+    assert (d["release"], d["changed_hosts"], d["removed_hosts"]) == ("R", ["b"], ["c"])
