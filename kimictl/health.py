@@ -69,22 +69,48 @@ def engine_ready(ip: str, port: int, served_name: str, timeout: float = 3.0) -> 
     return Ready(True, "ready")
 
 
-def metric_totals(ip: str, port: int, timeout: float = 3.0) -> dict[str, float]:
-    """Sum of each counter/gauge family over its labels (prometheus_client's parser)."""
+def scrape(ip: str, port: int, timeout: float = 3.0) -> tuple[dict[str, float], dict[str, list[tuple[float, float]]]]:
+    """(sum of each counter/gauge over its labels, cumulative histogram buckets per family) from /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     code, text = http_get(f"http://{ip}:{port}/metrics", timeout)
+    totals: dict[str, float] = {}
+    buckets: dict[str, dict[float, float]] = {}
     if code != 200:
-        return {}
-    out: dict[str, float] = {}
+        return totals, {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name.endswith(("_bucket", "_created")):
+            if s.name.endswith("_bucket"):
+                le = float(s.labels.get("le", "inf"))
+                per = buckets.setdefault(fam.name, {})
+                per[le] = per.get(le, 0.0) + float(s.value)
                 continue
-            out[s.name] = out.get(s.name, 0.0) + float(s.value)
+            if s.name.endswith("_created"):
+                continue
+            totals[s.name] = totals.get(s.name, 0.0) + float(s.value)
             if s.name.endswith("_total"):  # counters: also under the family name
-                out[fam.name] = out.get(fam.name, 0.0) + float(s.value)
-    return out
+                totals[fam.name] = totals.get(fam.name, 0.0) + float(s.value)
+    return totals, {k: sorted(v.items()) for k, v in buckets.items()}
+
+
+def metric_totals(ip: str, port: int, timeout: float = 3.0) -> dict[str, float]:
+    return scrape(ip, port, timeout)[0]
+
+
+def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """Prometheus-style histogram_quantile over cumulative (le, count) buckets; None without observations."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return prev_le
+            width = count - prev_count
+            return prev_le + (le - prev_le) * ((rank - prev_count) / width if width else 0.0)
+        prev_le, prev_count = le, count
+    return prev_le
 
 
 def smoke_prompt(words: int = 400) -> str:

@@ -33,11 +33,15 @@ def _probe(inv: Inventory, timeout: float) -> dict[str, Any]:
         return sessions.each(one)
 
 
-def _engine_metrics(ip: str, port: int) -> dict[str, float]:
-    m = health.metric_totals(ip, port)
-    return {"requests_running": m.get("vllm:num_requests_running", 0.0),
-            "requests_waiting": m.get("vllm:num_requests_waiting", 0.0),
-            "kv_cache_usage": m.get("vllm:kv_cache_usage_perc", 0.0)}
+def _engine_metrics(ip: str, port: int) -> dict[str, Any]:
+    m, hist = health.scrape(ip, port)
+    out: dict[str, Any] = {"requests_running": m.get("vllm:num_requests_running", 0.0),
+                           "requests_waiting": m.get("vllm:num_requests_waiting", 0.0),
+                           "kv_cache_usage": m.get("vllm:kv_cache_usage_perc", 0.0)}
+    for key, family in (("ttft_s", "vllm:time_to_first_token_seconds"), ("itl_s", "vllm:inter_token_latency_seconds")):
+        b = hist.get(family, [])
+        out[key] = {f"p{int(q * 100)}": health.quantile(b, q) for q in (0.5, 0.9, 0.99)}
+    return out
 
 
 def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool = True) -> dict[str, Any]:

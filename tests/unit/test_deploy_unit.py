@@ -81,3 +81,13 @@ def test_deployed_diff(tmp_path: Path, monkeypatch) -> None:
                                                                  "hosts": {"a": "r1", "b": "r2", "c": "r3"}}))
     d = deployed_diff("c1", {"a": "r1", "b": "new"})
     assert (d["release"], d["changed_hosts"], d["removed_hosts"]) == ("R", ["b"], ["c"])
+
+
+def test_histogram_quantile() -> None:
+    from kimictl.health import quantile
+
+    buckets = [(0.1, 50.0), (0.5, 90.0), (1.0, 100.0), (float("inf"), 100.0)]
+    assert quantile(buckets, 0.5) == 0.1
+    assert abs(quantile(buckets, 0.7) - 0.3) < 1e-9
+    assert abs(quantile(buckets, 0.95) - 0.75) < 1e-9
+    assert quantile([(0.1, 0.0), (float("inf"), 0.0)], 0.5) is None
