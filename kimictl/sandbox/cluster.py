@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 from kimictl.errors import HostError, InvalidInput, KimictlError
 from kimictl.sandbox import client, layout, system
+from kimictl.sandbox.doubles import hccn_tool
 from kimictl.sandbox.faults import Fault, apply_to_doc, parse_fault
 from kimictl.sandbox.layout import HARDWARE, HostSpec, Names
 
@@ -112,6 +113,12 @@ def _install_script(src: Path, dst: Path) -> None:
     if body.startswith("#!"):
         body = body.split("\n", 1)[1] if "\n" in body else ""
     _write(dst, "#!/usr/bin/python3\n" + body, 0o755)
+
+
+def _install_hccn_tool(tools: Path, tools_on_host: str) -> None:
+    """hccn_tool: the bash front (answers preflight's queries from KIMI_SIM_DIR/fast) and the Python double."""
+    _install_script(PKG_DIR / "doubles" / "hccn_tool.py", tools / "hccn_tool.py")
+    _write(tools / "hccn_tool", hccn_tool.front_script(f"{tools_on_host}/hccn_tool.py"), 0o755)
 
 
 def validate_dir(directory: Path) -> Path:
@@ -319,6 +326,7 @@ class Sandbox:
         _write(sim / "host.json", json.dumps(layout.host_json(h, state.hardware, ascend_root=ascend_root),
                                              indent=2) + "\n")
         _write(sim / "faults.json", "{}\n")
+        hccn_tool.write_fast_state(sim)   # what the hccn_tool front answers from (after every faults.json write)
         if netns:
             (roots["/var/lib"] / "kimi-sim").mkdir()
             (roots["/var/lib"] / "kimi" / "models").mkdir(parents=True)
@@ -327,7 +335,7 @@ class Sandbox:
         else:
             Path(h.state_dir or h.dir / "state").mkdir(parents=True, exist_ok=True)
         _install_script(PKG_DIR / "doubles" / "npu_smi.py", usr_local / "bin" / "npu-smi")
-        _install_script(PKG_DIR / "doubles" / "hccn_tool.py", usr_local / "Ascend/driver/tools/hccn_tool")
+        _install_hccn_tool(usr_local / "Ascend/driver/tools", f"{ascend_root}/driver/tools")
         _write(usr_local / "Ascend/driver/version.info", layout.driver_version_info())
         _write(usr_local / "Ascend/firmware/version.info", layout.firmware_version_info())
         arch = platform.machine() or "x86_64"
@@ -797,6 +805,7 @@ class Sandbox:
             if "engine_crash_at_start" in doc and state.spare_tags.get(h.name):
                 doc["engine_crash_spare_tags"] = state.spare_tags[h.name]
             _write(h.sim_dir / "faults.json", json.dumps(doc, indent=2) + "\n")
+            hccn_tool.write_fast_state(h.sim_dir)
 
 
 def _create_exclusive(path: Path) -> int:

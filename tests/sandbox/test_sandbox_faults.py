@@ -34,12 +34,17 @@ def test_link_down(a3):
     a3.fault("link-down:atlas-02:5")
     r = a3.ssh("atlas-02", f"{HCCN} -i 5 -link -g; {HCCN} -i 5 -net_health -g; {HCCN} -i 4 -link -g")
     assert r.stdout.splitlines() == ["link status: DOWN", "net health status: Fault", "link status: UP"]
+    # `fault` re-rendered the fast state: the bash front answers itself, without the Python double
+    r = a3.ssh("atlas-02", f"bash -px {HCCN} -i 5 -link -g")
+    assert r.stdout == "link status: DOWN\n" and "+ exec " not in r.stderr, r.stderr[-400:]
     # the die's device IP is really gone: peers cannot reach it
     r = a3.ssh("atlas-01", f"{HCCN} -i 0 -hccs_ping -g address {a3.device_ip('atlas-02', 5)}")
     assert r.returncode != 0
     a3.fault("clear:atlas-02")
     r = a3.ssh("atlas-01", f"{HCCN} -i 0 -hccs_ping -g address {a3.device_ip('atlas-02', 5)}")
     assert r.returncode == 0, r.stdout
+    r = a3.ssh("atlas-02", f"bash -px {HCCN} -i 5 -link -g")   # and `clear` did too
+    assert r.stdout == "link status: UP\n" and "+ exec " not in r.stderr, r.stderr[-400:]
 
 
 def test_cut_route_really_cuts_the_device_network(a3):

@@ -50,6 +50,24 @@ def test_hccn_tool_reports_the_inventory_device_ips_and_link_up(sandbox_a3):
     assert all(ip in addrs for ip in sandbox_a3.host("atlas-02")["device_ips"])
 
 
+@pytest.mark.parametrize("fixture", ["sandbox_a3", "sandbox_a2"])
+def test_hccn_tool_front_answers_preflight_without_python(request, fixture):
+    """The calls preflight makes are answered by the bash front from KIMI_SIM_DIR/fast, not the Python double."""
+    sb = request.getfixturevalue(fixture)
+    a3 = fixture == "sandbox_a3"
+    ip_query, ping = ("-vnic", "-hccs_ping") if a3 else ("-ip", "-ping")
+    peer = sb.device_ip("atlas-02", 1)
+    calls = [f"-i {n} {q} -g" for n in (0, 7) for q in ("-link", "-net_health", "-tls", ip_query)]
+    cmd = "; ".join(f"bash -px {HCCN} {c}" for c in [*calls, f"-i 0 {ping} -g address {peer}"])
+    r = sb.ssh("atlas-01", cmd)
+    assert r.returncode == 0 and "+ exec " not in r.stderr, r.stderr[-400:]
+    assert r.stdout.count("link status: UP") == 2 and r.stdout.count("net health status: Success") == 2
+    assert f"device 0 PING {peer}" in r.stdout and "3 packets transmitted, 3 received, 0.00% packet loss" in r.stdout
+    # the Python double is still there, and answers the rest (the same way as before)
+    r = sb.ssh("atlas-01", f"{HCCN} -i 0 -lldp -g -x; {HCCN} -i 99 -link -g")
+    assert "System Name TLV" in r.stdout and "logic id [99] is invalid" in r.stdout
+
+
 def test_hccs_ping_between_hosts_travels_the_device_network(sandbox_a3):
     target = sandbox_a3.device_ip("atlas-02", 7)
     r = sandbox_a3.ssh("atlas-01", f"{HCCN} -i 3 -hccs_ping -g address {target}")
