@@ -283,7 +283,8 @@ def run_preflight(inv: Inventory, plan: Plan, *, timeout: float = 20.0, accept_n
             script = render_template(
                 "preflight_probe.sh.j2", host=name, npus=range(hw.npus), device_ip_query=hw.device_ip_query,
                 model_dir=inv.cluster.kimi_model_dir, state_dir=h.kimi_state_dir, nic=h.kimi_nic,
-                runtime=inv.cluster.kimi_runtime, image=plan.image, engine_command=h.kimi_engine_command or "vllm")
+                runtime=inv.cluster.kimi_runtime, image=plan.image,
+                engine_command=(h.kimi_engine_command or "vllm").split()[0])  # the program, not its arguments
             t0 = time.time()
             res = s.run("bash -s", stdin=script, timeout=timeout)
             return Probe(parse_sections(res.stdout), t_sent=t0, t_back=time.time())
