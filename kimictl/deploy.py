@@ -103,7 +103,7 @@ def desired_procs(rendered: Rendered, inv: Inventory) -> list[Proc]:
         rel = f"{sd}/releases/{rendered.releases[e.host]}"
         script = f"engines/{e.id}.container.sh" if plan.runtime == "container" else f"engines/{e.id}.sh"
         tag = process_tag(files, e.id)
-        out.append(Proc(e.host, e.id, "engine", tag, ["bash", f"{rel}/{script}"], e.ip, e.port, e.serves_http,
+        out.append(Proc(e.host, e.id, "engine", tag, ["bash", f"{rel}/{script}"], e.host_ip, e.port, e.serves_http,
                         e.role))
     if rendered.proxy and plan.proxy:
         host = plan.proxy.host

@@ -31,20 +31,9 @@ ASCEND_MOUNTS = (
 )
 
 
-class RenderedEngine(BaseModel):
-    model_config = ConfigDict(frozen=True)
+class RenderedEngine(Engine):
+    """A planned engine with its whole command line and environment."""
 
-    id: str
-    host: str
-    ip: str
-    role: str
-    instance: str
-    dp_ranks: list[int]
-    dp_size: int
-    tp_size: int
-    devices: list[int]
-    port: int
-    serves_http: bool
     argv: list[str]
     env: dict[str, str]
     env_prepend: dict[str, str]
@@ -84,7 +73,7 @@ class Rendered(BaseModel):
             "image": p.image,
             "runtime": p.runtime,
             "engines": [
-                {"id": e.id, "host": e.host, "ip": e.ip, "role": e.role, "instance": e.instance,
+                {"id": e.id, "host": e.host, "ip": e.host_ip, "role": e.role, "instance": e.instance,
                  "dp_ranks": e.dp_ranks, "dp_size": e.dp_size, "tp_size": e.tp_size, "devices": e.devices,
                  "port": e.port, "serves_http": e.serves_http, "argv": e.argv, "env": e.env,
                  "env_prepend": e.env_prepend}
@@ -266,10 +255,7 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
         argv = engine_argv(plan, inv, topo, e)
         env = engine_env(plan, inv, e)
         prepend = plan.role_config[e.role].env_prepend
-        engines.append(RenderedEngine(
-            id=e.id, host=e.host, ip=e.host_ip, role=e.role, instance=e.instance, dp_ranks=e.dp_ranks,
-            dp_size=e.dp_size, tp_size=e.tp_size, devices=e.devices, port=e.port, serves_http=e.serves_http,
-            argv=argv, env=env, env_prepend=prepend))
+        engines.append(RenderedEngine(**e.model_dump(), argv=argv, env=env, env_prepend=prepend))
         ctx = {"plan": plan, "engine": e, "env": env, "env_prepend": prepend, "argv": argv}
         out = files[e.host]
         out[f"engines/{e.id}.env"] = render_template("engine.env.j2", **ctx)

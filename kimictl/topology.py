@@ -6,7 +6,7 @@ import difflib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kimictl.errors import TopologyError
 from kimictl.facts import DATA_DIR, hardware_catalogue, switch_rules
@@ -46,6 +46,18 @@ _ENV = r"^[A-Z_][A-Z0-9_]*$"
 ServeValue = bool | int | float | str | dict[str, Any] | list[Any]
 
 
+def _check_env_map(v: dict[str, str]) -> dict[str, str]:
+    return _check_env(v)
+
+
+def _check_serve_map(v: dict[str, Any]) -> dict[str, Any]:
+    return _check_serve(v)
+
+
+EnvMap = Annotated[dict[str, str], AfterValidator(_check_env_map)]
+ServeMap = Annotated[dict[str, ServeValue], AfterValidator(_check_serve_map)]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -67,9 +79,9 @@ class Role(_Strict):
     nodes: int = Field(1, ge=1, le=64, description="hosts per instance of this role")
     dp: int = Field(ge=1, le=256, description="data-parallel size of one instance")
     tp: int = Field(ge=1, le=16, description="tensor-parallel size")
-    env: dict[str, str] = Field(default_factory=dict)
+    env: EnvMap = Field(default_factory=dict)
     switches: dict[str, bool] = Field(default_factory=dict)
-    serve: dict[str, ServeValue] = Field(default_factory=dict)
+    serve: ServeMap = Field(default_factory=dict)
 
     @field_validator("switches")
     @classmethod
@@ -82,15 +94,6 @@ class Role(_Strict):
                                  + f"; known: {', '.join(known)}")
         return v
 
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
-
-    @field_validator("serve")
-    @classmethod
-    def _serve_flags(cls, v: dict[str, ServeValue]) -> dict[str, ServeValue]:
-        return _check_serve(v)
 
 
 class Speculative(_Strict):
@@ -112,8 +115,8 @@ class Topology(_Strict):
         default_factory=lambda: {"prefill": 1, "decode": 1}, description="how spare hosts split between roles")
     ports: Ports = Field(default_factory=Ports)
     proxy: Proxy | None = None
-    env: dict[str, str] = Field(default_factory=dict)
-    serve: dict[str, ServeValue] = Field(default_factory=dict)
+    env: EnvMap = Field(default_factory=dict)
+    serve: ServeMap = Field(default_factory=dict)
     roles: dict[RoleName, Role]
     speculative: Speculative | None = None
     source: str = Field("", exclude=True)
@@ -125,15 +128,6 @@ class Topology(_Strict):
             raise ValueError(f"unknown hardware '{v}'; expected one of {', '.join(hardware_catalogue())}")
         return v
 
-    @field_validator("env")
-    @classmethod
-    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
-        return _check_env(v)
-
-    @field_validator("serve")
-    @classmethod
-    def _serve_flags(cls, v: dict[str, ServeValue]) -> dict[str, ServeValue]:
-        return _check_serve(v)
 
     @model_validator(mode="after")
     def _roles_match_mode(self) -> Topology:
