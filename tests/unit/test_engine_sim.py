@@ -912,3 +912,50 @@ def test_link_down_on_prefill_npu_fails_the_transfer_until_cleared(pd_pair, simh
     assert status == 500 and "device link down on prefill NPU(s) [5]" in json.loads(raw)["error"]["message"]
     (simhost.state / "faults.json").write_text("{}")
     assert http("POST", f"{decode.url}/v1/completions", body)[0] == 200
+
+
+def test_rendered_a3_pd_argv_runs_and_moves_kv_both_sides(simhost, tmp_path):
+    """Start the sim with the exact argv/env `kimictl render` produces for a3-pd (ports and kv_ports made free)."""
+    import yaml
+
+    from kimictl.inventory import load_inventory
+    from kimictl.plan import make_plan
+    from kimictl.render import render
+    from kimictl.topology import load_topology
+
+    inv_path = tmp_path / "inv.yml"
+    inv_path.write_text(yaml.safe_dump({"all": {
+        "vars": {"kimi_cluster": "simtest", "kimi_model_dir": "/m", "kimi_nic": "lo", "kimi_runtime": "host"},
+        "hosts": {"p": {"ansible_host": "127.0.0.1", "kimi_hardware": "atlas-800-a3"},
+                  "d": {"ansible_host": "127.0.0.2", "kimi_hardware": "atlas-800-a3"}}}}))
+    inv, topo = load_inventory(inv_path), load_topology("a3-pd")
+    engines = {e.id: e for e in render(make_plan(inv, topo), inv, topo).engines}
+
+    def launch(engine_id: str, kv_width: int) -> tuple[Sim, int]:
+        e = engines[engine_id]
+        argv = list(e.argv[3:])  # after `vllm serve MODEL`
+        argv[argv.index("--port") + 1] = str(free_port())
+        i = argv.index("--kv-transfer-config") + 1
+        kv = json.loads(argv[i])
+        kv["kv_port"] = str(free_port_range(kv_width))
+        argv[i] = json.dumps(kv)
+        env = {k: v for k, v in e.env.items() if k != "ASCEND_RT_VISIBLE_DEVICES"}
+        return simhost.start(argv, devices=e.env["ASCEND_RT_VISIBLE_DEVICES"], **env), int(kv["kv_port"])
+
+    prefill, p_kv = launch("prefill-0-dp0", 16)
+    decode, _ = launch("decode-0-dp2", 16)  # NPUs 8-11: prefill-0-dp0 holds 0-7 on this one sim host
+    prefill.wait_ready()
+    decode.wait_ready()
+    kv = _prefill(prefill, "rendered-1")["kv_transfer_params"]
+    assert kv["remote_host"] == engines["prefill-0-dp0"].host_ip and kv["remote_port"] == p_kv
+    status, body, _ = http("POST", f"{decode.url}/v1/completions",
+                           {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "kv_transfer_params": kv})
+    assert status == 200, body
+    assert prefill.metrics()["vllm:prompt_tokens_total"] > 0
+    assert decode.metrics()["vllm:external_prefix_cache_queries_total"] > 0
+
+    # the same rendered argv with one corrupted flag is refused, naming the flag
+    bad = [*engines["decode-0-dp1"].argv[3:], "--max-num-seqz", "8"]
+    proc = subprocess.run([PYTHON, "-I", str(SIM), "serve", str(simhost.model), *bad], capture_output=True,
+                          text=True, env=simhost.env("4,5,6,7"), timeout=60, check=False)
+    assert proc.returncode != 0 and "--max-num-seqz" in proc.stderr
