@@ -149,3 +149,18 @@ def test_rollback_returns_to_the_previous_release(deployed, tmp_path: Path) -> N
     assert {n: s["tag"] for n, s in _supervised(deployed, "atlas-02").items()} == original
     assert "--max-num-seqs 32" in deployed.ssh("atlas-02", "cat /var/lib/kimi/current/engines/decode-0-dp0.sh").stdout
     assert _complete(deployed)["choices"]
+
+
+def test_a2_colocated_internal_dp_with_a_headless_host(sandbox_a2) -> None:
+    proc = kimictl("deploy", "-i", str(sandbox_a2.inventory), "--topology", "a2-colocated", "--yes", "--output", "json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["smoke"]["generation_tokens"] > 0
+    headless = sandbox_a2.ssh("atlas-02", "cat /var/lib/kimi/current/engines/colocated-0-n1.sh").stdout
+    assert "--headless" in headless and "--data-parallel-start-rank 1" in headless
+    status = kimictl("status", "-i", str(sandbox_a2.inventory), "--output", "json")
+    engines = json.loads(status.stdout)["engines"]
+    assert status.returncode == 0 and [(e["id"], e["state"]) for e in engines] == [
+        ("colocated-0-n0", "ready"), ("colocated-0-n1", "ready")]
+    stop = kimictl("stop", "-i", str(sandbox_a2.inventory), "--yes")
+    assert stop.returncode == 0, stop.stderr[-2000:]
