@@ -108,11 +108,10 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
         state = "down"
     else:
         state = "degraded"
-    for r in engines:
-        r.pop("ip", None)
     if proxy:
         proxy.pop("serves_http", None)
     return {"schema_version": STATUS_SCHEMA_VERSION, "cluster": inv.cluster.name, "state": state,
+            "served_model_name": served,
             "release": record["release"] if record else None, "engines": engines, "proxy": proxy,
             "pairs": pairs, "drift": drift, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

@@ -38,3 +38,52 @@ def status(
             break
         time.sleep(watch)
     raise typer.Exit(EXIT_BY_STATE[doc["state"]])
+
+
+@handle_errors
+def bench(
+    inventory: InventoryOpt,
+    requests: Annotated[int, typer.Option("--requests", min=1, max=100000)] = 64,
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1, max=1024)] = 8,
+    input_tokens: Annotated[int, typer.Option("--input-tokens", min=1)] = 512,
+    output_tokens: Annotated[int, typer.Option("--output-tokens", min=2)] = 64,
+    timeout: Annotated[float, typer.Option("--timeout", help="Bound on the whole run, seconds.")] = 300.0,
+    slo_tpot_ms: Annotated[float, typer.Option("--slo-tpot-ms", help="TPOT SLO (p90).")] = 50.0,
+    slo_ttft_ms: Annotated[float | None, typer.Option("--slo-ttft-ms", help="Optional TTFT SLO (p90).")] = None,
+    gate: Annotated[bool, typer.Option("--gate", help="Exit 1 when the SLO is missed or a request fails.")] = False,
+    output: OutputOpt = Output.text,
+) -> None:
+    """Load the serving endpoint (the P/D proxy, or the engine) and report TTFT/TPOT percentiles against the SLO."""
+    from kimictl.bench import BenchSpec, run_bench
+    from kimictl.errors import KimictlError
+    from kimictl.inventory import load_inventory
+    from kimictl.status import collect_status
+
+    inv = load_inventory(inventory)
+    st = collect_status(inv, probe_pairs=False)
+    if st["proxy"] and st["proxy"]["state"] == "ready":
+        host, port = st["proxy"]["ip"], st["proxy"]["port"]
+    else:
+        ready = [e for e in st["engines"] if e["state"] == "ready" and e.get("serves_http")
+                 and e["role"] == "colocated"]
+        if not ready:
+            raise KimictlError(f"no serving endpoint is ready (cluster state {st['state']}); see `kimictl status`")
+        host, port = ready[0]["ip"], ready[0]["port"]
+    spec = BenchSpec(requests, concurrency, input_tokens, output_tokens, timeout, slo_tpot_ms, slo_ttft_ms)
+    doc = run_bench(host, port, st.get("served_model_name") or "", spec).summary()
+    if output == Output.json:
+        emit_json(doc)
+    else:
+        t, p = doc["ttft_ms"], doc["tpot_ms"]
+
+        def f(d: dict) -> str:
+            return "n/a" if d["p50"] is None else f"p50 {d['p50']:.1f} / p90 {d['p90']:.1f} / p99 {d['p99']:.1f} ms"
+
+        typer.echo(f"{doc['succeeded']}/{doc['requests']} requests in {doc['wall_s']} s at concurrency "
+                   f"{doc['concurrency']} ({doc['input_tokens']} in / {doc['output_tokens']} out) -> {doc['url']}")
+        typer.echo(f"TTFT {f(t)}")
+        typer.echo(f"TPOT {f(p)}")
+        typer.echo(f"throughput {doc['output_tokens_per_s']} output tokens/s, {doc['requests_per_s']} requests/s")
+        typer.echo("SLO met" if doc["slo"]["met"] else "SLO missed: " + "; ".join(doc["slo"]["misses"]))
+    if gate and not doc["slo"]["met"]:
+        raise typer.Exit(EXIT_FAILED)

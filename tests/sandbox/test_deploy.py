@@ -164,3 +164,15 @@ def test_a2_colocated_internal_dp_with_a_headless_host(sandbox_a2) -> None:
         ("colocated-0-n0", "ready"), ("colocated-0-n1", "ready")]
     stop = kimictl("stop", "-i", str(sandbox_a2.inventory), "--yes")
     assert stop.returncode == 0, stop.stderr[-2000:]
+
+
+def test_bench_through_the_proxy_and_its_gate(deployed) -> None:
+    args = ["bench", "-i", str(deployed.inventory), "--requests", "12", "--concurrency", "4", "--input-tokens", "64",
+            "--output-tokens", "16", "--timeout", "120", "--gate", "--output", "json"]
+    proc = kimictl(*args)
+    doc = json.loads(proc.stdout)
+    assert proc.returncode == 0, doc
+    assert doc["succeeded"] == 12 and doc["url"].endswith(":8000/v1/completions")
+    assert 0 < doc["tpot_ms"]["p50"] <= 50 and doc["ttft_ms"]["p90"] > 0 and doc["output_tokens_per_s"] > 0
+    proc = kimictl(*args, "--slo-tpot-ms", "1")
+    assert proc.returncode == 1 and "TPOT p90" in json.loads(proc.stdout)["slo"]["misses"][0]

@@ -91,3 +91,22 @@ def test_histogram_quantile() -> None:
     assert abs(quantile(buckets, 0.7) - 0.3) < 1e-9
     assert abs(quantile(buckets, 0.95) - 0.75) < 1e-9
     assert quantile([(0.1, 0.0), (float("inf"), 0.0)], 0.5) is None
+
+
+def test_bench_summary_and_slo() -> None:
+    from kimictl.bench import BenchResult, BenchSpec, Sample
+
+    spec = BenchSpec(requests=4, concurrency=2, slo_tpot_ms=50.0)
+    res = BenchResult("http://x:8000/v1/completions", spec, [
+        Sample(True, ttft_s=0.1, tpot_s=0.02, output_tokens=64),
+        Sample(True, ttft_s=0.2, tpot_s=0.03, output_tokens=64),
+        Sample(True, ttft_s=0.3, tpot_s=0.04, output_tokens=64),
+        Sample(False, error="HTTP 500")], wall_s=2.0)
+    doc = res.summary()
+    assert doc["succeeded"] == 3 and doc["output_tokens_per_s"] == 96.0
+    assert 20 <= doc["tpot_ms"]["p50"] <= 40 and doc["slo"]["met"] is False
+    assert doc["slo"]["misses"] == ["1 request(s) failed"] and doc["errors"] == ["HTTP 500"]
+    res.samples = res.samples[:3]
+    assert res.summary()["slo"]["met"] is True
+    spec.slo_tpot_ms = 10
+    assert "TPOT p90" in res.summary()["slo"]["misses"][0]
