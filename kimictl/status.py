@@ -7,7 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kimictl import health
+from kimictl import ascend, health
 from kimictl.inventory import Inventory
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import control_dir
@@ -22,12 +22,16 @@ def _probe(inv: Inventory, timeout: float) -> dict[str, Any]:
         sd = inv.host(name).kimi_state_dir
         out = s.run(f"cat {sd}/current/manifest.json 2>/dev/null || echo null; echo '@@kimi'; "
                     f"if [ -f {sd}/bin/supervisor.py ]; then python3 {sd}/bin/supervisor.py status --run-dir "
-                    f"{sd}/run; else echo '[]'; fi", timeout=timeout).stdout
-        manifest, _, sup = out.partition("@@kimi")
+                    f"{sd}/run; else echo '[]'; fi; echo '@@kimi'; "
+                    "PATH=/usr/local/bin:/usr/local/sbin:$PATH npu-smi info 2>/dev/null", timeout=timeout).stdout
+        manifest, _, rest = out.partition("@@kimi")
+        sup, _, smi = rest.partition("@@kimi")
+        hbm = {n.logical_id: n.hbm_used_mb for n in ascend.parse_npu_smi_info(smi).npus}
         try:
-            return {"manifest": json.loads(manifest), "supervised": {x["name"]: x for x in json.loads(sup or "[]")}}
+            return {"manifest": json.loads(manifest), "supervised": {x["name"]: x for x in json.loads(sup or "[]")},
+                    "hbm_used_mb": hbm}
         except ValueError:
-            return {"manifest": None, "supervised": {}}
+            return {"manifest": None, "supervised": {}, "hbm_used_mb": hbm}
 
     with Sessions(inv, timeout=timeout) as sessions:
         return sessions.each(one)
@@ -69,6 +73,9 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
             sup = got["supervised"].get(e["id"])
             row = {"id": e["id"], "host": h.name, "role": e["role"], "port": e["port"], "ip": h.ip,
                    "release": man.get("release"), "serves_http": e["serves_http"]}
+            used = [got["hbm_used_mb"][d] for d in e.get("devices", []) if d in got["hbm_used_mb"]]
+            if used:  # NPU HBM in use on this engine's devices, as npu-smi reports it
+                row["hbm_used_mb"] = {"total": sum(used), "max_per_npu": max(used)}
             if sup is None:
                 row["state"] = "stopped"
             else:

@@ -126,8 +126,8 @@ def status_view(doc: dict) -> Group:
     head = Text.assemble(("cluster ", "dim"), (doc["cluster"], "bold"), ("  state ", "dim"), (doc["state"], color),
                          ("  release ", "dim"), str(doc.get("release")))
     t = Table(title="Engines", title_justify="left")
-    for col in ("engine", "host", "role", "state", "restarts", "running", "waiting", "KV use", "TTFT p50/p99",
-                "ITL p50/p99"):
+    for col in ("engine", "host", "role", "state", "restarts", "running", "waiting", "KV use", "HBM max/NPU",
+                "TTFT p50/p99", "ITL p50/p99"):
         t.add_column(col)
 
     def pct(d: dict | None) -> str:
@@ -142,7 +142,9 @@ def status_view(doc: dict) -> Group:
         t.add_row(e["id"], e["host"], e["role"], Text(e["state"], style=st_style.get(e["state"], "")),
                   str(e.get("restarts", "")), f"{m.get('requests_running', 0):.0f}" if m else "",
                   f"{m.get('requests_waiting', 0):.0f}" if m else "",
-                  f"{100 * m.get('kv_cache_usage', 0):.1f}%" if m else "", pct(m.get("ttft_s")), pct(m.get("itl_s")))
+                  f"{100 * m.get('kv_cache_usage', 0):.1f}%" if m else "",
+                  f"{e['hbm_used_mb']['max_per_npu'] / 1024:.1f} GiB" if e.get("hbm_used_mb") else "",
+                  pct(m.get("ttft_s")), pct(m.get("itl_s")))
     parts: list = [head, t]
     if doc["proxy"]:
         p = doc["proxy"]

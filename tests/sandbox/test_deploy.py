@@ -109,6 +109,8 @@ def test_status_healthy_then_degraded_names_the_stopped_engine(deployed) -> None
     assert doc["state"] == "healthy" and len(doc["engines"]) == 6 and len(doc["pairs"]) == 1
     assert doc["pairs"][0]["state"] == "ok" and doc["proxy"]["state"] == "ready" and doc["drift"] == []
     assert any((e.get("metrics") or {}).get("ttft_s", {}).get("p50") is not None for e in doc["engines"])
+    # engines hold their NPUs: npu-smi shows HBM in use on each engine's devices
+    assert all(e["hbm_used_mb"]["max_per_npu"] > 30000 for e in doc["engines"])
     stop = deployed.ssh("atlas-02", "python3 /var/lib/kimi/bin/supervisor.py stop --name decode-0-dp2 "
                                     "--run-dir /var/lib/kimi/run")
     assert stop.returncode == 0, stop.stderr
