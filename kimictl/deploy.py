@@ -163,17 +163,15 @@ def compute_changes(procs: list[Proc], observed: dict[str, HostObservation]) -> 
     return changes
 
 
-class Deployer:
-    """One deploy run: a run directory, playbook runs, readiness, smoke, switch, rollback on failure."""
+class EngineOps:
+    """Changes to supervised processes on hosts: playbook runs in a run directory, readiness, log tails."""
 
-    def __init__(self, inv: Inventory, plan: Plan, rendered: Rendered, opts: DeployOptions,
+    def __init__(self, inv: Inventory, cluster: str, served_model_name: str, run_name: str, opts: DeployOptions,
                  say: Callable[[str], None], on_event: Callable[[str, str, str], None] | None = None):
-        self.inv, self.plan, self.rendered, self.opts = inv, plan, rendered, opts
-        self.full_inv, self.full_rendered = inv, rendered  # the smoke test spans the cluster even with --limit
+        self.inv, self.cluster, self.served_model_name, self.opts = inv, cluster, served_model_name, opts
         self.say, self.on_event = say, on_event
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        self.release = _sha(*(f"{h}:{r}" for h, r in sorted(rendered.releases.items())))
-        self.run_dir = control_dir(plan.cluster) / "runs" / f"{stamp}-{self.release[:8]}"
+        self.run_dir = control_dir(cluster) / "runs" / f"{stamp}-{run_name}"
         self.state_dir_of = {h.name: h.kimi_state_dir for h in inv.hosts}
         self.n_runs = 0
         self.timings: dict[str, float] = {}
@@ -211,7 +209,7 @@ class Deployer:
     def _ready_timeout(self) -> float:
         if self.opts.ready_timeout:
             return self.opts.ready_timeout
-        size, _ = cached_manifest_bytes(self.plan.cluster)
+        size, _ = cached_manifest_bytes(self.cluster)
         # Real K2.5 loads take ~10 min; size the wait to the checkpoint (>= 0.5 GiB/s) plus start-up.
         return 180.0 + (size or model_facts().total_bytes) / (0.5 * 2**30)
 
@@ -238,7 +236,7 @@ class Deployer:
         self.say(f"waiting for {len(pending)} endpoint(s) to load and answer (timeout {deadline - t0:.0f}s)")
         while pending:
             for key, p in list(pending.items()):
-                if health.engine_ready(p.ip, p.port, self.plan.served_model_name).ok:
+                if health.engine_ready(p.ip, p.port, self.served_model_name).ok:
                     del pending[key]
                     self.say(f"ready: {p.id} on {p.host} ({time.monotonic() - t0:.1f}s)")
             if not pending:
@@ -264,6 +262,18 @@ class Deployer:
                 raise HostError(f"{p.kind} {p.id} crashed during start-up (state {st.get('state')}, "
                                 f"restarts {st.get('restarts', 0)}, last exit {exit_})", host=p.host,
                                 step="engines", log_tail=self.log_tail(p.host, p.id))
+
+
+
+class Deployer(EngineOps):
+    """One deploy run: preflight, release files, engines, readiness, proxy, smoke, switch; rollback on failure."""
+
+    def __init__(self, inv: Inventory, plan: Plan, rendered: Rendered, opts: DeployOptions,
+                 say: Callable[[str], None], on_event: Callable[[str, str, str], None] | None = None):
+        self.release = _sha(*(f"{h}:{r}" for h, r in sorted(rendered.releases.items())))
+        super().__init__(inv, plan.cluster, plan.served_model_name, self.release[:8], opts, say, on_event)
+        self.plan, self.rendered = plan, rendered
+        self.full_inv, self.full_rendered = inv, rendered  # the smoke test spans the cluster even with --limit
 
     # --- smoke -----------------------------------------------------------------------------------------
 

@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import json
 import shlex
-import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 from kimictl.ansible import close_control_masters
-from kimictl.deploy import LIVE_STATES, Deployer, DeployOptions, Proc, compute_changes, observe, process_tag
+from kimictl.deploy import LIVE_STATES, DeployOptions, EngineOps, Proc, compute_changes, observe, process_tag
 from kimictl.errors import HostError
 from kimictl.inventory import Inventory
 from kimictl.logs import role_of
 from kimictl.ssh import Sessions, SSHError
-from kimictl.state import control_dir
 
 # Stopping in this order: clients go away before the engines they reach (proxy, then decode, which pulls
 # KV from prefill, then prefill and anything else).
@@ -37,16 +34,9 @@ class LifecycleResult:
                 "hosts": self.hosts, "run_dir": self.run_dir}
 
 
-def _deployer(inv: Inventory, name: str, served_model_name: str, releases: dict[str, str],
-              opts: DeployOptions, say: Callable[[str], None],
-              on_event: Callable[[str, str, str], None] | None) -> Deployer:
-    """A Deployer used for its playbook runs and readiness wait only; it needs just these plan fields."""
-    plan = types.SimpleNamespace(cluster=inv.cluster.name, served_model_name=served_model_name)
-    rendered = types.SimpleNamespace(releases=releases)
-    d = Deployer(inv, plan, rendered, opts, say, on_event)  # type: ignore[arg-type]
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    d.run_dir = control_dir(inv.cluster.name) / "runs" / f"{stamp}-{name}"
-    return d
+def _ops(inv: Inventory, name: str, served_model_name: str, opts: DeployOptions, say: Callable[[str], None],
+         on_event: Callable[[str, str, str], None] | None) -> EngineOps:
+    return EngineOps(inv, inv.cluster.name, served_model_name, name, opts, say, on_event)
 
 
 # --- stop ------------------------------------------------------------------------------------------------
@@ -73,7 +63,7 @@ def stop(inv: Inventory, *, say: Callable[[str], None], on_event: Callable[[str,
     if not phases:
         say("nothing runs: every supervised process is already stopped")
         return LifecycleResult(inv.cluster.name, "stop", "already-stopped", hosts)
-    d = _deployer(inv, "stop", "", {}, DeployOptions(accept_new_host_keys=accept_new_host_keys), say, on_event)
+    d = _ops(inv, "stop", "", DeployOptions(accept_new_host_keys=accept_new_host_keys), say, on_event)
     try:
         for phase in phases:
             d.apply_actions(phase, {}, "stop")
@@ -173,8 +163,8 @@ def start(inv: Inventory, *, say: Callable[[str], None], on_event: Callable[[str
                                         for h, c in current.items()}
     for p in procs:
         hosts[p.host]["started" if (p.host, p.id) in todo else "kept"].append(p.id)
-    d = _deployer(inv, "start", served, {h: c["release"] for h, c in current.items()},
-                  DeployOptions(ready_timeout=ready_timeout, accept_new_host_keys=accept_new_host_keys), say, on_event)
+    d = _ops(inv, "start", served,
+             DeployOptions(ready_timeout=ready_timeout, accept_new_host_keys=accept_new_host_keys), say, on_event)
 
     def starts(group: list[Proc]) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {}
