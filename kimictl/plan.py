@@ -406,7 +406,7 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         if not fit.fits:
             raise PlanError(
                 f"role {role} does not fit in HBM (estimate): {fit.reason}",
-                details=_fit_lines(fit), hint="use more NPUs per instance (larger DP x TP, more hosts) "
+                details=fit_lines(fit), hint="use more NPUs per instance (larger DP x TP, more hosts) "
                 "or lower max-model-len")
         if per_node < hw.npus:
             warnings.append(f"{role}: uses {per_node} of {hw.npus} NPUs per host")
@@ -487,7 +487,8 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
     )
 
 
-def _fit_lines(fit: MemoryFit) -> list[str]:
+def fit_lines(fit: MemoryFit) -> list[str]:
+    """Human-readable lines of one role's HBM estimate."""
     w = ", ".join(f"{k} {v:.2f}" for k, v in fit.weights_gib.items())
     return [
         f"DP{fit.dp} x TP{fit.tp}, EP{fit.ep}; HBM {fit.hbm_gib:.0f} GiB x {fit.gpu_memory_utilization:.2f} = "
@@ -498,7 +499,3 @@ def _fit_lines(fit: MemoryFit) -> list[str]:
         f"({fit.kv_bytes_per_token} B/token)",
     ]
 
-
-def fit_lines(fit: MemoryFit) -> list[str]:
-    """Human-readable lines of one role's HBM estimate."""
-    return _fit_lines(fit)
