@@ -59,6 +59,8 @@ class DeployOptions:
     limit: list[str] | None = None
     ready_timeout: float | None = None
     accept_new_host_keys: bool = False
+    skip_weights: bool = False
+    hub_token: str | None = None
 
 
 @dataclass
@@ -274,6 +276,7 @@ class Deployer(EngineOps):
         super().__init__(inv, plan.cluster, plan.served_model_name, self.release[:8], opts, say, on_event)
         self.plan, self.rendered = plan, rendered
         self.full_inv, self.full_rendered = inv, rendered  # the smoke test spans the cluster even with --limit
+        self.manifest = None   # the hub's listing, read before preflight when weights are staged
 
     # --- smoke -----------------------------------------------------------------------------------------
 
@@ -329,8 +332,17 @@ class Deployer(EngineOps):
     def run(self) -> DeployResult:
         t_all = time.monotonic()
         self._limit()
+        stage_weights = not (self.opts.skip_weights or self.opts.check or self.inv.cluster.kimi_model_source == "local")
+        if stage_weights:   # the hub's listing first: preflight then checks disk room against the real size
+            from kimictl.weights.stage import load_manifest
+
+            self.manifest = load_manifest(self.inv, self.opts.hub_token)
         if self.opts.skip_preflight is None and not self.opts.check:
             self._preflight()
+        if stage_weights:
+            self._weights()
+        elif self.inv.cluster.kimi_model_source == "local":
+            self.say(f"weights: kimi_model_source is local; engines load what is in {self.inv.cluster.kimi_model_dir}")
         write_rendered(self.rendered, self.run_dir / "rendered")
         (self.run_dir / "plan.json").write_text(json.dumps(self.plan.model_dump(mode="json"), indent=1))
         # Everything needed to deploy this release again (`kimictl rollback`), without the topology file.
@@ -396,6 +408,20 @@ class Deployer(EngineOps):
                             step=f"preflight {bad[0].id}",
                             details=[f"{r.host}: {r.id} {r.message} -> {r.fix}" for r in bad[:12]],
                             hint="fix them, or deploy --skip-preflight REASON to override")
+
+    def _weights(self) -> None:
+        """Stage the checkpoint (a no-op when every host already holds the verified copy)."""
+        from kimictl.weights import stage
+
+        t0 = time.monotonic()
+        result = stage.pull(self.inv, stage.PullOptions(token=self.opts.hub_token,
+                                                        accept_new_host_keys=self.opts.accept_new_host_keys),
+                            stage.Reporter(self.say), self.manifest)
+        self.timings["weights"] = round(time.monotonic() - t0, 2)
+        if not result.ok:
+            bad = next(h for h in result.hosts if h.state != "complete")
+            raise HostError(f"weights are not staged on {bad.host}: {bad.error or bad.state}", host=bad.host,
+                            step="weights", hint="see `kimictl weights status`")
 
     def _converge(self, changes: list[Change], procs: list[Proc]) -> None:
         hosts = sorted(self.rendered.releases)

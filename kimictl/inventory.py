@@ -128,6 +128,7 @@ KEYS: dict[str, Key] = {
     "kimi_proxy_host": Key("cluster", "inventory host that runs the P/D proxy, default the first prefill host"),
     "kimi_draft_model_dir": Key("cluster", "eagle3 draft checkpoint path; setting it enables speculative decoding"),
     "kimi_media_dir": Key("cluster", "directory engines may read local media from (--allowed-local-media-path)"),
+    "kimi_python": Key("cluster", "python3 on the hosts that has modelscope/huggingface_hub, for weights pulls"),
     "kimi_engine_profile": Key("cluster", "engine profile: ascend (default)"),
     "kimi_nic": Key("both", "NIC for HCCL/GLOO/TP sockets (required on every host, directly or via all.vars)"),
     "kimi_state_dir": Key("both", "kimictl state directory on the host, default /var/lib/kimi"),
@@ -156,6 +157,7 @@ class ClusterSettings(BaseModel):
     kimi_proxy_host: str | None = None
     kimi_draft_model_dir: AbsPath | None = None
     kimi_media_dir: MediaDir = "/var/lib/kimi/media"
+    kimi_python: Command = "python3"
     kimi_engine_profile: Literal["ascend"] = "ascend"
 
     @property

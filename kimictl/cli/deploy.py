@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -29,6 +30,8 @@ def deploy(
     skip_preflight: Annotated[str | None, typer.Option("--skip-preflight", metavar="REASON",
                                                        help="Skip preflight; the reason is printed.")] = None,
     skip_weights: Annotated[bool, typer.Option("--skip-weights", help="Do not stage weights.")] = False,
+    token_file: Annotated[Path | None, typer.Option("--token-file", help="Hub token file (mode 0600); default "
+                                                    "MODELSCOPE_API_TOKEN / HF_TOKEN.")] = None,
     ready_timeout: Annotated[float | None, typer.Option("--ready-timeout",
                                                         help="Seconds to wait for engines to load.")] = None,
     accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys")] = False,
@@ -38,6 +41,7 @@ def deploy(
     from kimictl.deploy import Deployer, DeployOptions, change_diffs
     from kimictl.pipeline import prepare
     from kimictl.render import render
+    from kimictl.weights.stage import read_token
 
     err = stderr_console()
     p = prepare(inventory, topology)
@@ -45,8 +49,7 @@ def deploy(
     rendered = render(p.plan, p.inventory, p.topology)
     if skip_preflight is not None:
         err.print(f"[yellow]preflight skipped: {skip_preflight}[/]")
-    if not skip_weights:
-        err.print("[dim]weights: staging is not part of deploy yet; engines load what is in kimi_model_dir[/]")
+    token = None if skip_weights else read_token(p.inventory.cluster.kimi_model_source, token_file)
     interactive = sys.stdin.isatty() and sys.stderr.isatty()
     if not check and not yes and interactive:
         typer.confirm(f"Deploy {p.plan.topology} to {len(p.inventory.hosts)} host(s) of {p.plan.cluster}?",
@@ -61,7 +64,7 @@ def deploy(
             err.print(f"  [{style}]{status:>11}[/] {host}: {task}", highlight=False)
 
     opts = DeployOptions(check=check, skip_preflight=skip_preflight, limit=limit, ready_timeout=ready_timeout,
-                         accept_new_host_keys=accept_new_host_keys)
+                         accept_new_host_keys=accept_new_host_keys, skip_weights=skip_weights, hub_token=token)
     result = Deployer(p.inventory, p.plan, rendered, opts, say, on_event).run()
     diffs = change_diffs(p.inventory, rendered, result.changes) if check and diff else {}
     if output == Output.json:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kimictl.cli import deploy, lifecycle, logs, preflight, sandbox, static, status
+from kimictl.cli import deploy, lifecycle, logs, preflight, sandbox, static, status, weights
 
 app = typer.Typer(
     name="kimictl",
@@ -27,6 +27,7 @@ app.command()(status.bench)
 app.command()(logs.logs)
 app.command()(lifecycle.stop)
 app.command()(lifecycle.start)
+app.add_typer(weights.app, name="weights")
 app.add_typer(sandbox.app, name="sandbox")
 
 

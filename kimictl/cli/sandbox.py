@@ -32,8 +32,9 @@ def up(
     name: Annotated[str, typer.Option("--name", help="kimi_cluster name written to the inventory.")] = "sandbox",
     mode: Annotated[str | None, typer.Option("--mode", help="Force netns or loopback (default: netns if possible).",
                                              hidden=True)] = None,
-    checkpoint_mib: Annotated[int, typer.Option("--checkpoint-mib", help="Size of the generated local checkpoint "
-                                                "put on every host (0: none).")] = 64,
+    checkpoint_mib: Annotated[int, typer.Option("--checkpoint-mib", help="Size of the generated checkpoint the "
+                                                "sandbox's fake hub serves (0: no hub).")] = 64,
+    checkpoint_shards: Annotated[int, typer.Option("--checkpoint-shards", help="Safetensors shards in it.")] = 8,
     output: OutputOpt = Output.text,
 ) -> None:
     """Create N fake Atlas hosts reachable over SSH and write DIR/inventory.yml."""
@@ -41,19 +42,23 @@ def up(
 
     if checkpoint_mib < 0:
         raise InvalidInput(f"--checkpoint-mib {checkpoint_mib} must be >= 0")
+    if not 1 <= checkpoint_shards <= 4096:
+        raise InvalidInput(f"--checkpoint-shards {checkpoint_shards} must be 1..4096")
     res = Sandbox(directory, _log).up(hosts, hardware, cluster=name, faults=fault or [], mode=mode,
-                                      checkpoint_bytes=checkpoint_mib * 2**20)
+                                      checkpoint_bytes=checkpoint_mib * 2**20, checkpoint_shards=checkpoint_shards)
     st = res.state
     if output == Output.json:
         emit_json({"schema_version": 1, "already_up": res.already_up, "seconds": round(res.seconds, 2),
                    "dir": st.dir, "mode": st.mode, "hardware": st.hardware, "inventory": str(res.inventory),
                    "ssh_config": f"{st.dir}/ssh_config", "hosts": [h.model_dump() for h in st.hosts],
-                   "faults": st.faults})
+                   "faults": st.faults, "hub_url": st.hub_url})
         return
     verb = "already up" if res.already_up else f"up in {res.seconds:.1f}s"
     typer.echo(f"sandbox {verb}: {len(st.hosts)} x {st.hardware} ({st.mode} mode)")
     for h in st.hosts:
         typer.echo(f"  {h.name}  {h.ip}:{h.port}  device ips {h.device_ips[0]}..{h.device_ips[-1]}")
+    if st.hub_url:
+        typer.echo(f"model hub:  {st.hub_url} (fake; serves the generated checkpoint; `kimictl weights pull`)")
     typer.echo(f"inventory:  {res.inventory}")
     typer.echo(f"ssh:        ssh -F {st.dir}/ssh_config {st.hosts[0].name} npu-smi info")
     typer.echo(f"tear down:  kimictl sandbox down --dir {st.dir}")

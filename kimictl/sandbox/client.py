@@ -9,6 +9,7 @@ import yaml
 
 from kimictl.sandbox.layout import CONTROL_NIC, ENGINE_COMMAND, MODEL_DIR, HostSpec
 
+MODEL_ID = "Eco-Tech/Kimi-K2.5-W4A8"
 # sun_path is 108 bytes; ssh adds "/<host>-<port>" plus a 17-byte temporary suffix while binding
 MAX_CONTROL_DIR = 64
 
@@ -33,25 +34,34 @@ def ssh_common_args(directory: Path) -> str:
     ])
 
 
-def router_command() -> str | None:
-    """vllm-router from this venv, run by the hosts' system python (the venv's interpreter may sit under /root,
-    which is a fresh tmpfs on sandbox hosts); None when vllm-router is not installed here."""
+def host_python(module: str) -> str | None:
+    """The hosts' system python with this venv's site-packages (the venv's interpreter may sit under /root,
+    which is a fresh tmpfs on sandbox hosts); None when `module` is not installed here."""
     import importlib.util
 
-    spec = importlib.util.find_spec("vllm_router")
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.origin:
         return None
     site = Path(spec.origin).parent.parent
-    return f"env PYTHONPATH={site} /usr/bin/python3 -m vllm_router.launch_router"
+    return f"env PYTHONPATH={site} /usr/bin/python3"
+
+
+def router_command() -> str | None:
+    """vllm-router from this venv, run by the hosts' system python; None when vllm-router is not installed."""
+    py = host_python("vllm_router")
+    return f"{py} -m vllm_router.launch_router" if py else None
 
 
 def inventory(hosts: list[HostSpec], hardware: str, directory: Path, *, mode: str, cluster: str,
-              model_dir: str = MODEL_DIR, engine_command: str = ENGINE_COMMAND, user: str = "root") -> dict:
-    """The Ansible YAML inventory (CONTRACT.md keys only) as a dict."""
+              model_dir: str = MODEL_DIR, engine_command: str = ENGINE_COMMAND, user: str = "root",
+              hub_url: str | None = None) -> dict:
+    """The Ansible YAML inventory as a dict; the checkpoint comes from the sandbox's fake hub when it runs."""
+    hub = {"kimi_model_source": "modelscope", "kimi_model_id": MODEL_ID, "kimi_model_endpoint": hub_url,
+           **({"kimi_python": host_python("modelscope")} if host_python("modelscope") else {})}
     all_vars = {
         "kimi_cluster": cluster,
         "kimi_model_dir": model_dir,
-        "kimi_model_source": "local",
+        **(hub if hub_url else {"kimi_model_source": "local"}),
         "kimi_runtime": "host",
         "kimi_nic": CONTROL_NIC if mode == "netns" else "lo",
         "kimi_engine_command": engine_command,

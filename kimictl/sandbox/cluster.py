@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -87,6 +88,9 @@ class SandboxState(BaseModel):
     faults: list[str] = Field(default_factory=list)
     # engine-crash spares the releases running when it was injected: it models a bad *new* release
     spare_tags: dict[str, list[str]] = Field(default_factory=dict)
+    hub_url: str | None = None
+    hub_pid: int | None = None
+    hub_started: str | None = None
 
 
 @dataclass
@@ -160,7 +164,8 @@ class Sandbox:
 
     # ---- up ----------------------------------------------------------------------------------
     def up(self, n: int, hardware: str, *, cluster: str = "sandbox", faults: list[str] | None = None,
-           mode: str | None = None, checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES) -> UpResult:
+           mode: str | None = None, checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES,
+           checkpoint_shards: int = CHECKPOINT_SHARDS) -> UpResult:
         """Bring an n-host sandbox up (or report that an identical one already runs).
 
         Raises:
@@ -216,14 +221,18 @@ class Sandbox:
         try:
             self.log(f"creating {n} x {hardware} hosts ({mode} mode) in {self.dir}")
             self._client_key()
-            ckpt = self._checkpoint(checkpoint_bytes) if checkpoint_bytes and mode == "netns" else None
+            # loopback hosts share one filesystem, so there is nothing to stage per host
+            ckpt = (self._checkpoint(checkpoint_bytes, checkpoint_shards) if checkpoint_bytes and mode == "netns"
+                    else None)
             with ThreadPoolExecutor(max_workers=min(16, n)) as pool:
-                list(pool.map(lambda h: self._prepare_host(h, state, ckpt), hosts))
+                list(pool.map(lambda h: self._prepare_host(h, state), hosts))
             if mode == "loopback":   # hosts share the filesystem: one engine command for all
                 self._install_engine(self.dir / "bin" / "vllm", warn=True)
             if mode == "netns":
                 _write(self.dir / "etc_hosts", layout.etc_hosts(hosts, Names(slot).controller_ip))
                 self._create_network(state, hosts)
+            if ckpt is not None:
+                self._start_hub(state, ckpt)
             for h, hs in zip(hosts, state.hosts, strict=True):
                 self._launch(h, hs, state)
             self.save(state)
@@ -289,20 +298,41 @@ class Sandbox:
         shutil.copyfile(key.with_suffix(".pub"), self.dir / "authorized_keys")
         client.control_dir(self.dir).mkdir(mode=0o700, exist_ok=True)
 
-    def _checkpoint(self, size: int) -> Path:
+    def _checkpoint(self, size: int, shards: int) -> Path:
         """A small Kimi-shaped W4A8 checkpoint, generated once per sandbox dir (deterministic)."""
         from kimictl.weights.checkpoint import generate_checkpoint
 
         dest = self.dir / "checkpoint"
         stamp = self.dir / "checkpoint.json"
-        want = {"bytes": size, "shards": CHECKPOINT_SHARDS}
+        want = {"bytes": size, "shards": shards}
         if not (stamp.exists() and json.loads(stamp.read_text()).get("spec") == want):
             self.log(f"generating a {size / 2**20:.0f} MiB Kimi-shaped checkpoint in {dest}")
-            files = generate_checkpoint(dest, total_bytes=size, num_shards=CHECKPOINT_SHARDS)
+            files = generate_checkpoint(dest, total_bytes=size, num_shards=shards)
             _write(stamp, json.dumps({"spec": want, "files": files}, indent=1) + "\n")
         return dest
 
-    def _prepare_host(self, h: HostSpec, state: SandboxState, checkpoint: Path | None = None) -> None:
+    def _start_hub(self, state: SandboxState, checkpoint: Path) -> None:
+        """The fake model hub on the control bridge, serving the generated checkpoint (docs/fakehub.md)."""
+        ip = Names(state.slot).controller_ip
+        url_file = self.dir / "hub.url"
+        url_file.unlink(missing_ok=True)
+        with open(url_file, "wb") as out, open(self.dir / "hub.log", "ab") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "kimictl.weights.fakehub", "--repo",
+                                     f"{client.MODEL_ID}={checkpoint}", "--host", ip, "--port", "0",
+                                     "--log-file", str(self.dir / "hub.log")],
+                                    stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+                                    env={**os.environ, "PYTHONPATH": str(PKG_DIR.parent.parent)})
+        state.hub_pid, state.hub_started = proc.pid, system.start_time(proc.pid)
+        self.save(state)
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not url_file.read_text().strip():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise KimictlError("the fake model hub did not start",
+                                   details=(self.dir / "hub.log").read_text(errors="replace").splitlines()[-5:])
+            time.sleep(0.05)
+        state.hub_url = url_file.read_text().strip()
+
+    def _prepare_host(self, h: HostSpec, state: SandboxState) -> None:
         """Host keys, sshd config, boot script and the files the doubles and tools read."""
         if h.dir.exists():
             shutil.rmtree(h.dir)
@@ -330,8 +360,6 @@ class Sandbox:
         if netns:
             (roots["/var/lib"] / "kimi-sim").mkdir()
             (roots["/var/lib"] / "kimi" / "models").mkdir(parents=True)
-            if checkpoint is not None:  # kimi_model_source local: the checkpoint is already on every host
-                shutil.copytree(checkpoint, roots["/var/lib"] / layout.MODEL_DIR.removeprefix("/var/lib/"))
         else:
             Path(h.state_dir or h.dir / "state").mkdir(parents=True, exist_ok=True)
         _install_script(PKG_DIR / "doubles" / "npu_smi.py", usr_local / "bin" / "npu-smi")
@@ -412,7 +440,8 @@ class Sandbox:
             model_dir = str(self.dir / "shared/models/Kimi-K2.5-W4A8")
             engine = str(self.dir / "bin" / "vllm")
         inv = client.inventory(hosts, state.hardware, self.dir, mode=state.mode, cluster=state.cluster,
-                               model_dir=model_dir, engine_command=engine, user=_login_user())
+                               model_dir=model_dir, engine_command=engine, user=_login_user(),
+                               hub_url=state.hub_url)
         _write(self.dir / "inventory.yml", client.inventory_yaml(inv))
 
     def _wait_ready(self, state: SandboxState, hosts: list[HostSpec]) -> None:
@@ -450,6 +479,11 @@ class Sandbox:
                 system.kill(p, signal.SIGKILL)
             system.wait_dead([hs.launcher_pid or 0 for hs in stopped], 2.0)
             removed += [f"host {hs.name}" for hs in stopped]
+        if state and state.hub_pid and system.alive(state.hub_pid, state.hub_started):
+            system.kill(state.hub_pid)
+            if system.wait_dead([state.hub_pid], 3.0):
+                system.kill(state.hub_pid, signal.SIGKILL)
+            removed.append("fake model hub")
         removed += self._stop_strays()
         if slot is not None and os.geteuid() == 0:
             removed += self._remove_kernel_objects(slot)
@@ -460,7 +494,7 @@ class Sandbox:
             shutil.rmtree(self.dir / name, ignore_errors=True)
         shutil.rmtree(client.control_dir(self.dir), ignore_errors=True)
         for name in ("inventory.yml", "ssh_config", "known_hosts", "id_ed25519", "id_ed25519.pub",
-                     "authorized_keys", "etc_hosts", "sandbox.json", "checkpoint.json"):
+                     "authorized_keys", "etc_hosts", "sandbox.json", "checkpoint.json", "hub.url", "hub.log"):
             (self.dir / name).unlink(missing_ok=True)
         if slot is not None:
             rec = SLOTS_DIR / str(slot)
@@ -582,7 +616,9 @@ class Sandbox:
         return {"schema_version": 1, "dir": str(self.dir), "state": overall, "mode": state.mode,
                 "cluster": state.cluster, "hardware": state.hardware, "slot": state.slot,
                 "inventory": str(self.dir / "inventory.yml"), "ssh_config": str(self.dir / "ssh_config"),
-                "hosts": hosts, "faults": list(state.faults)}
+                "hosts": hosts, "faults": list(state.faults),
+                "hub": {"url": state.hub_url, "state": "up" if system.alive(state.hub_pid, state.hub_started)
+                        else "down"} if state.hub_pid else None}
 
     # ---- faults ------------------------------------------------------------------------------
     def require(self) -> SandboxState:
@@ -845,7 +881,8 @@ def sshd_config(h: HostSpec, directory: Path, env: dict[str, str]) -> str:
         f"PidFile {h.dir / 'sshd.pid'}",
         "PermitRootLogin prohibit-password",
         "PubkeyAuthentication yes",
-        f"AuthorizedKeysFile {directory / 'authorized_keys'}",
+        # the sandbox's login key, then the host's own file (where `weights pull` puts its peer key)
+        f"AuthorizedKeysFile {directory / 'authorized_keys'} .ssh/authorized_keys",
         # the sandbox dir may sit under world-writable /tmp, which StrictModes would silently refuse
         "StrictModes no",
         "PasswordAuthentication no",

@@ -1,0 +1,462 @@
+#!/usr/bin/env python3
+"""kimictl weights agent: the host side of `kimictl weights` (stdlib only; the hub clients are imported lazily).
+
+`serve` speaks JSON lines with the control node over one SSH channel: stdin carries operations, stdout
+events. kimictl does not install it to verify: the source arrives as the first stdin line. `weights pull`
+also installs it as a file, because `rsync-serve` is the forced command of the run's peer key.
+
+On-disk protocol inside the model directory (never served, since hubs skip dot-names too):
+  .kimi-staging/   downloads and transfers land here; a file is renamed into place only after its hash matches
+  .kimi-stamps.json  path -> [size, mtime_ns, inode, digest]: re-verifying an unchanged file does not read it
+  .kimi-complete   written last and atomically: the manifest digest the directory holds in full
+  .kimi-lock       flock held by the running agent (the kernel drops it when the agent dies: it cannot go stale)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+STAGING = ".kimi-staging"
+STAMPS = ".kimi-stamps.json"
+MARKER = ".kimi-complete"
+LOCK = ".kimi-lock"
+BLOCK = 8 << 20
+PROGRESS_EVERY_S = 0.5
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_RSYNC_OPT = re.compile(r"^(-[A-Za-z.]+|--timeout=\d+)$")
+
+
+def unsafe_name(path: str) -> str | None:
+    """Why a repo-relative path may not be written under the model directory, or None when it is safe."""
+    if not path:
+        return "empty name"
+    if _CONTROL.search(path):
+        return "control character"
+    if "\\" in path:
+        return "backslash"
+    if path.startswith("/"):
+        return "absolute path"
+    if path.startswith("~"):
+        return "leading '~'"
+    parts = path.split("/")
+    if any(p in (".", "..") for p in parts):
+        return "'.' or '..' component"
+    if "" in parts:
+        return "empty component"
+    if any(len(p.encode()) > 255 for p in parts):
+        return "component longer than 255 bytes"
+    return None
+
+
+def file_digest(path: Path, algo: str) -> str:
+    """sha256, or the git blob sha1 ("blob <size>\\0" + bytes) that HF lists for small non-LFS files."""
+    h = hashlib.sha256() if algo == "sha256" else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(BLOCK)
+        view = memoryview(buf)
+        while n := f.readinto(buf):
+            h.update(view[:n])
+        os.fsync(f.fileno())  # what we hashed is what survives a power cut
+    return h.hexdigest()
+
+
+def expected(entry: dict) -> tuple[str, str]:
+    return ("sha256", entry["sha256"]) if entry.get("sha256") else ("git_sha1", entry["git_sha1"])
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Agent:
+    def __init__(self, model_dir: str, out=None):
+        self.dir = Path(model_dir)
+        self.stage = self.dir / STAGING
+        self.out = out or sys.stdout
+        self.out_lock = threading.Lock()
+        self.state_lock = threading.Lock()
+        self.manifest: dict[str, dict] = {}
+        self.meta: dict = {}
+        self.stamps: dict[str, list] = {}
+        self.children: set[subprocess.Popen] = set()
+        self.lock_fd: int | None = None
+        self.secrets: list[str] = []
+        self.threads = max(1, min(16, os.cpu_count() or 1))
+
+    # --- plumbing --------------------------------------------------------------------------------------
+    def emit(self, **event) -> None:
+        line = json.dumps(event)
+        for s in self.secrets:
+            line = line.replace(s, "***")
+        with self.out_lock:
+            self.out.write(line + "\n")
+            self.out.flush()
+
+    def _load_stamps(self) -> None:
+        try:
+            self.stamps = json.loads((self.dir / STAMPS).read_text())
+        except (OSError, ValueError):
+            self.stamps = {}
+
+    def _save_stamps(self) -> None:
+        with self.state_lock:
+            _atomic_write(self.dir / STAMPS, json.dumps(self.stamps, sort_keys=True))
+
+    def _lock(self, holder: dict) -> bool:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                who = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                who = {}
+            os.close(fd)
+            self.emit(ev="locked", holder=who)
+            return False
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({**holder, "pid": os.getpid()}).encode(), 0)
+        self.lock_fd = fd
+        return True
+
+    # --- checking what is there ------------------------------------------------------------------------
+    def _check_one(self, path: str, mode: str) -> tuple[str, int]:
+        """(ok | missing | bad | unverified, bytes read) for one manifest file."""
+        entry, f = self.manifest[path], self.dir / path
+        try:
+            st = f.stat()
+        except OSError:
+            return "missing", 0
+        if st.st_size != entry["size"]:
+            return "bad", 0
+        algo, want = expected(entry)
+        stamp = self.stamps.get(path)
+        if mode != "full" and stamp == [st.st_size, st.st_mtime_ns, st.st_ino, want]:
+            return "ok", 0
+        if mode == "stat":
+            return "unverified", 0
+        if file_digest(f, algo) != want:
+            return "bad", st.st_size
+        st = f.stat()
+        with self.state_lock:
+            self.stamps[path] = [st.st_size, st.st_mtime_ns, st.st_ino, want]
+        return "ok", st.st_size
+
+    def op_hello(self, op: dict) -> None:
+        """Load the manifest, check what is present (mode stat | stamps | full), report; pull also locks."""
+        t0 = time.monotonic()
+        self.manifest = {e["path"]: e for e in op["manifest"]["files"]}
+        self.meta = {k: op["manifest"].get(k) for k in ("source", "model_id", "revision")} | {"digest": op["digest"]}
+        for p in self.manifest:
+            if why := unsafe_name(p):
+                self.emit(ev="error", message=f"refusing manifest entry {p!r}: {why}")
+                return
+        if op.get("pull") and not self._lock(op.get("holder") or {}):
+            return
+        self._load_stamps()
+        results: dict[str, list[str]] = {"ok": [], "missing": [], "bad": [], "unverified": []}
+        read = 0
+        if self.dir.is_dir():
+            with ThreadPoolExecutor(self.threads) as pool:
+                for path, (state, n) in zip(self.manifest, pool.map(lambda p: self._check_one(p, op["mode"]),
+                                                                     self.manifest), strict=True):
+                    results[state].append(path)
+                    read += n
+        else:
+            results["missing"] = list(self.manifest)
+        marker = self._marker()
+        complete = marker.get("digest") == op["digest"] and not (results["missing"] or results["bad"]
+                                                                   or results["unverified"])
+        if op.get("pull"):
+            for p in results["bad"]:  # never serve or load it; it is fetched again
+                (self.dir / p).unlink(missing_ok=True)
+                self.stamps.pop(p, None)
+        if not complete and (op.get("pull") or (op.get("invalidate") and (results["missing"] or results["bad"]))):
+            (self.dir / MARKER).unlink(missing_ok=True)
+        if self.dir.is_dir() and os.access(self.dir, os.W_OK):
+            self._save_stamps()
+        self.emit(ev="state", have=results["ok"], missing=results["missing"], bad=results["bad"],
+                  unverified=results["unverified"], complete=complete, marker=marker, bytes_read=read,
+                  seconds=round(time.monotonic() - t0, 3))
+
+    def _marker(self) -> dict:
+        try:
+            return json.loads((self.dir / MARKER).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    # --- landing a file -------------------------------------------------------------------------------
+    def _install(self, path: str, tmp: Path, via: str, t0: float) -> None:
+        """Hash the landed file; rename it into place only when it matches."""
+        entry = self.manifest[path]
+        algo, want = expected(entry)
+        size = tmp.stat().st_size if tmp.exists() else -1
+        if size != entry["size"]:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"size {size} != {entry['size']}")
+        got = file_digest(tmp, algo)
+        if got != want:
+            tmp.unlink(missing_ok=True)
+            raise RuntimeError(f"{algo} mismatch: got {got[:16]}..., manifest says {want[:16]}...")
+        final = self.dir / path
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, final)
+        st = final.stat()
+        with self.state_lock:
+            self.stamps[path] = [st.st_size, st.st_mtime_ns, st.st_ino, want]
+        self._save_stamps()
+        self.emit(ev="done", path=path, via=via, bytes=entry["size"], seconds=round(time.monotonic() - t0, 3))
+
+    def _guard(self, path: str, via: str, fn) -> None:
+        t0 = time.monotonic()
+        try:
+            fn(t0)
+        except Exception as exc:  # reported to the control node, which retries or fails the run
+            self.emit(ev="fail", path=path, via=via, error=str(exc)[-1500:])
+
+    # --- sources ---------------------------------------------------------------------------------------
+    def op_hub(self, op: dict) -> None:
+        """Pull these files from the hub, one after another, with the real client library."""
+        if op.get("token"):
+            self.secrets.append(op["token"])
+        threading.Thread(target=self._hub_files, args=(op,), daemon=True).start()
+
+    def _hub_files(self, op: dict) -> None:
+        try:
+            pull = self._hub_client(op)
+        except Exception as exc:
+            for p in op["files"]:
+                self.emit(ev="fail", path=p, via="hub", error=f"hub client unavailable: {exc}")
+            return
+        for path in op["files"]:
+            self._guard(path, "hub", lambda t0, path=path: self._install(path, pull(path), "hub", t0))
+
+    def _hub_client(self, op: dict):
+        stage = self.stage / "hub"
+        stage.mkdir(parents=True, exist_ok=True)
+        token = op.get("token") or ""
+        os.environ["TQDM_DISABLE"] = "1"   # progress goes to the control node as events
+        if op["source"] == "modelscope":
+            os.environ.update({"MODELSCOPE_ENDPOINT": op["endpoint"] or "https://www.modelscope.cn",
+                               "MODELSCOPE_DOWNLOAD_INTRA_CLOUD": "false",
+                               "MODELSCOPE_CACHE": str(self.stage / "ms-cache")})
+            if token:
+                os.environ["MODELSCOPE_API_TOKEN"] = token
+            from modelscope.hub.snapshot_download import snapshot_download
+            from modelscope_hub import ProgressCallback
+
+            agent = self
+
+            class Progress(ProgressCallback):
+                def __init__(self, filename: str, file_size: int):
+                    super().__init__(filename, file_size)
+                    self.seen, self.last = 0, 0.0
+
+                def update(self, size: int) -> None:
+                    self.seen += size
+                    if time.monotonic() - self.last > PROGRESS_EVERY_S:
+                        self.last = time.monotonic()
+                        agent.emit(ev="progress", path=self.filename, bytes=self.seen)
+
+            def pull(path: str) -> Path:
+                snapshot_download(op["model_id"], revision=op["revision"], local_dir=str(stage),
+                                  allow_patterns=[_glob_escape(path)], max_workers=1, progress_callbacks=[Progress])
+                return stage / path
+            return pull
+
+        os.environ.update({"HF_HUB_DISABLE_XET": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                           "HF_HOME": str(self.stage / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1"})
+        if op["endpoint"]:
+            os.environ["HF_ENDPOINT"] = op["endpoint"]  # read once, at import
+        from huggingface_hub import hf_hub_download
+
+        def pull_hf(path: str) -> Path:
+            watch = _Watch(self, path, stage / ".cache")
+            try:
+                return Path(hf_hub_download(op["model_id"], path, revision=op["revision"], local_dir=str(stage),
+                                            token=token or None))
+            finally:
+                watch.stop()
+        return pull_hf
+
+    def op_fetch(self, op: dict) -> None:
+        """rsync one verified file from a peer (read-only forced command there), in its own thread."""
+        path = op["path"]
+        threading.Thread(target=self._guard, args=(path, op["peer"]["name"],
+                                                   lambda t0: self._fetch(op, t0)), daemon=True).start()
+
+    def _fetch(self, op: dict, t0: float) -> None:
+        path, peer = op["path"], op["peer"]
+        dest = self.stage / "peer" / path
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        addr = f"[{peer['address']}]" if ":" in peer["address"] else peer["address"]
+        ssh = shlex.join(["ssh", "-i", op["key"], "-p", str(peer["port"]),
+                          "-o", f"UserKnownHostsFile={op['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
+                          "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes", "-o", "ConnectTimeout=10",
+                          "-o", "ServerAliveInterval=15", *_multiplex(op["key"])])
+        cmd = ["rsync", "--partial", "--partial-dir=.kimi-partial", "--progress", "--timeout=60", "-e", ssh,
+               f"{peer['user']}@{addr}:{path}", str(dest)]
+        rc, tail = self._run_with_progress(cmd, path)
+        if rc != 0:
+            raise RuntimeError(f"rsync from {peer['name']} exited {rc}: {tail}")
+        self._install(path, dest, peer["name"], t0)
+
+    def op_adopt(self, op: dict) -> None:
+        """A file the control node pushed into .kimi-staging/push: verify it and rename it into place."""
+        path = op["path"]
+        self._guard(path, "control", lambda t0: self._install(path, self.stage / "push" / path, "control", t0))
+
+    def _run_with_progress(self, cmd: list[str], path: str) -> tuple[int, str]:
+        return run_rsync(cmd, lambda n: self.emit(ev="progress", path=path, bytes=n), self.children)
+
+    # --- the end ---------------------------------------------------------------------------------------
+    def op_finish(self, op: dict) -> None:
+        """Every manifest file in place and stamped: write the marker last, drop the staging area."""
+        missing = [p for p in self.manifest if self._check_one(p, "stamps")[0] != "ok"]
+        if missing:
+            self.emit(ev="error", message=f"{len(missing)} file(s) not in place: {', '.join(missing[:5])}")
+            return
+        self._save_stamps()
+        _atomic_write(self.dir / MARKER, json.dumps({**self.meta, "files": len(self.manifest),
+                                                      "bytes": sum(e["size"] for e in self.manifest.values()),
+                                                      "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+        shutil.rmtree(self.stage, ignore_errors=True)
+        self.emit(ev="complete", digest=self.meta["digest"])
+
+    def op_cleanup(self, op: dict) -> None:
+        """Every host is complete: take this run's peer key away (the playbook does it if we cannot)."""
+        keys = Path(os.path.expanduser("~/.ssh/authorized_keys"))
+        try:
+            lines = keys.read_text().splitlines(keepends=True)
+        except FileNotFoundError:
+            lines = []
+        kept = [ln for ln in lines if not ln.rstrip().endswith(op["key_comment"])]
+        if kept != lines:
+            _atomic_write(keys, "".join(kept))
+            keys.chmod(0o600)
+        shutil.rmtree(op["key_dir"], ignore_errors=True)
+        self.emit(ev="cleaned")
+
+    def shutdown(self) -> None:
+        for p in list(self.children):
+            p.kill()
+
+    def serve(self) -> int:
+        ops = {"hello": self.op_hello, "hub": self.op_hub, "fetch": self.op_fetch, "adopt": self.op_adopt,
+               "finish": self.op_finish, "cleanup": self.op_cleanup}
+        signal.signal(signal.SIGTERM, lambda *_: (self.shutdown(), os._exit(143)))
+        try:
+            for line in sys.stdin.buffer:
+                op = json.loads(line)
+                fn = ops.get(op.get("op"))
+                if fn is None:
+                    self.emit(ev="error", message=f"unknown op {op.get('op')!r}")
+                    continue
+                try:
+                    fn(op)
+                except Exception as exc:
+                    self.emit(ev="error", message=f"{op.get('op')}: {type(exc).__name__}: {exc}")
+        finally:
+            # stdin closed: the control node is gone or done; no transfer outlives it
+            self.shutdown()
+        os._exit(0)  # hub threads may still be blocked in the client; the lock goes with the process
+
+
+class _Watch:
+    """Byte progress for clients without a callback: the size of their in-progress files."""
+
+    def __init__(self, agent: Agent, path: str, root: Path):
+        self.stop_ev = threading.Event()
+
+        def run() -> None:
+            while not self.stop_ev.wait(PROGRESS_EVERY_S):
+                n = sum(f.stat().st_size for f in root.rglob("*.incomplete") if f.is_file()) if root.exists() else 0
+                agent.emit(ev="progress", path=path, bytes=n)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    def stop(self) -> None:
+        self.stop_ev.set()
+
+
+def _multiplex(key: str) -> list[str]:
+    """One SSH connection per peer for all its files (a handshake per file costs more than a small file)."""
+    return ["-o", "ControlMaster=auto", "-o", f"ControlPath={Path(key).parent}/cm-%C", "-o", "ControlPersist=5"]
+
+
+def _glob_escape(path: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", path)
+
+
+def run_rsync(cmd: list[str], on_bytes, children: set | None = None) -> tuple[int, str]:
+    """Run rsync --progress; report transferred bytes at most every PROGRESS_EVERY_S; (rc, tail of its output)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if children is not None:
+        children.add(proc)
+    tail: list[str] = []
+    last, buf = 0.0, b""
+    try:
+        while chunk := proc.stdout.read1(65536):
+            buf += chunk
+            *lines, buf = re.split(rb"[\r\n]", buf)
+            for line in lines:
+                m = re.match(rb"^\s*([\d,]+)\s+\d+%", line)
+                if m:
+                    if time.monotonic() - last > PROGRESS_EVERY_S:
+                        last = time.monotonic()
+                        on_bytes(int(m.group(1).replace(b",", b"")))
+                elif line.strip():
+                    tail = [*tail[-5:], line.decode(errors="replace").strip()]
+        return proc.wait(), " | ".join(tail)
+    finally:
+        if children is not None:
+            children.discard(proc)
+
+
+def rsync_serve(model_dir: str) -> int:
+    """Forced command of the peer key: only `rsync --server --sender` of relative names inside model_dir."""
+    words = shlex.split(os.environ.get("SSH_ORIGINAL_COMMAND", ""))
+    if words[:3] != ["rsync", "--server", "--sender"] or "." not in words:
+        sys.stderr.write("kimi weights: this key only serves read-only rsync of the model directory\n")
+        return 1
+    dot = words.index(".")
+    opts, paths = words[3:dot], words[dot + 1:]
+    bad = [o for o in opts if not _RSYNC_OPT.match(o)] + [p for p in paths if unsafe_name(p)]
+    if bad or not paths:
+        sys.stderr.write(f"kimi weights: refused rsync arguments {bad or ['(no path)']}\n")
+        return 1
+    os.chdir(model_dir)
+    os.execvp("rsync", words)
+    return 1  # pragma: no cover
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 3 and argv[0] == "serve" and argv[1] == "--model-dir":
+        return Agent(argv[2]).serve()
+    if len(argv) == 2 and argv[0] == "rsync-serve":
+        return rsync_serve(argv[1])
+    sys.stderr.write("usage: agent.py serve --model-dir DIR | rsync-serve DIR\n")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

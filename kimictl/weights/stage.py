@@ -1,0 +1,690 @@
+"""Stage the checkpoint on every host: sharded hub pull + peer all-gather, control push, shared verify.
+
+The control node computes and schedules; one agent per host (kimictl/weights/agent.py, over one SSH channel)
+moves and verifies bytes. Each host first pulls a disjoint, size-balanced share from the hub; every file a
+host has verified becomes a source for the others at once (rarest first, bounded streams per host, so a file
+fans out through a tree of hosts rather than from its first owner alone). Ansible prepares the peer key and
+removes it afterwards (playbooks/weights.yml).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import getpass
+import json
+import os
+import queue
+import shlex
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from kimictl.errors import HostError, InvalidInput, KimictlError
+from kimictl.inventory import Inventory
+from kimictl.ssh import Session, Sessions, SSHError, Target, target_for
+from kimictl.state import control_dir, write_manifest
+from kimictl.weights import agent as agent_mod
+
+AGENT_SRC = Path(agent_mod.__file__)
+MODES = ("sharded", "control", "shared")
+DEFAULT_STREAMS = 4
+MAX_TRIES = 3
+STALL_S = 180.0
+TOKEN_ENV = {"modelscope": ("MODELSCOPE_API_TOKEN",), "huggingface": ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+
+
+@dataclass
+class PullOptions:
+    mode: str = "sharded"
+    streams: int = DEFAULT_STREAMS
+    full: bool = False
+    source_dir: Path | None = None   # control mode: the checkpoint on this machine
+    token: str | None = None
+    accept_new_host_keys: bool = False
+
+
+@dataclass
+class HostReport:
+    host: str
+    state: str = "pending"   # complete | incomplete | failed | unreachable
+    files: int = 0
+    have: int = 0
+    missing: list[str] = field(default_factory=list)
+    bad: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
+    received: dict[str, int] = field(default_factory=dict)   # via (hub | control | peer host) -> bytes
+    bytes_read: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+
+@dataclass
+class WeightsResult:
+    action: str
+    cluster: str
+    manifest_digest: str
+    total_bytes: int
+    hosts: list[HostReport]
+    seconds: float
+    warnings: list[str] = field(default_factory=list)
+    changed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return all(h.state == "complete" for h in self.hosts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": 1, "action": self.action, "cluster": self.cluster, "ok": self.ok,
+                "changed": self.changed, "manifest_digest": self.manifest_digest, "total_bytes": self.total_bytes,
+                "seconds": round(self.seconds, 2), "warnings": self.warnings,
+                "hosts": [h.__dict__ for h in self.hosts]}
+
+
+class Reporter:
+    """What a caller wants to hear: sentences and per-host byte counts (default: silent)."""
+
+    def __init__(self, say: Callable[[str], None] | None = None):
+        self._say = say
+
+    def say(self, text: str) -> None:
+        if self._say:
+            self._say(text)
+
+    def start(self, totals: dict[str, int]) -> None:
+        pass
+
+    def progress(self, host: str, done: int) -> None:
+        pass
+
+
+# --- token and manifest ----------------------------------------------------------------------------------
+
+def read_token(source: str, token_file: Path | None) -> str | None:
+    """From --token-file (must be 0600 or stricter) or the client's usual environment variable."""
+    if token_file is not None:
+        try:
+            st = token_file.stat()
+        except OSError as exc:
+            raise InvalidInput(f"--token-file {token_file}: {exc.strerror}") from None
+        if st.st_mode & 0o077:
+            raise InvalidInput(f"--token-file {token_file} is readable by others (mode {st.st_mode & 0o777:o}); "
+                               "chmod 600 it")
+        return token_file.read_text().strip() or None
+    for name in TOKEN_ENV.get(source, ()):
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
+
+
+def load_manifest(inv: Inventory, token: str | None, source_dir: Path | None = None, *, refresh: bool = True):
+    """The manifest: the hub's listing (cached for offline verify), or a hash of the local copy."""
+    from kimictl.weights.manifest import Manifest, fetch_manifest, local_manifest
+
+    c = inv.cluster
+    cached = control_dir(c.name) / "weights-manifest.json"
+    if source_dir is not None:
+        m = local_manifest(source_dir, model_id=c.kimi_model_id)
+    elif c.kimi_model_source == "local" or not refresh:
+        try:
+            m = Manifest.from_json(cached.read_text())
+        except (OSError, ValueError):
+            if c.kimi_model_source == "local":
+                raise InvalidInput(f"kimi_model_source is local and no manifest is recorded for cluster {c.name}",
+                                   hint="run `kimictl weights pull --mode control --from DIR` once") from None
+            if refresh:
+                raise
+            return load_manifest(inv, token, refresh=True)
+    else:
+        m = fetch_manifest(c.kimi_model_source, c.kimi_model_id, c.model_revision, c.kimi_model_endpoint, token)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(m.to_json())
+    tmp.replace(cached)
+    write_manifest(c.name, [f.model_dump() for f in m.files],
+                   {"source": m.source, "model_id": m.model_id, "revision": m.revision, "digest": m.digest()})
+    return m
+
+
+# --- control-node lock -----------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def cluster_lock(cluster: str, what: str):
+    """One weights run per cluster on this control node; the kernel drops the lock with its holder."""
+    path = control_dir(cluster) / "weights.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                who = json.loads(os.pread(fd, 4096, 0) or b"{}")
+            except ValueError:
+                who = {}
+            raise KimictlError(f"another `kimictl weights` run holds cluster {cluster}: "
+                               f"{_holder_text(who)}", hint="wait for it to finish") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder(what)).encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def holder(what: str) -> dict[str, Any]:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "user": getpass.getuser(), "what": what,
+            "since": datetime.now(UTC).isoformat(timespec="seconds")}
+
+
+def _holder_text(who: dict) -> str:
+    return (f"{who.get('what', 'weights pull')} by {who.get('user', '?')}@{who.get('host', '?')} "
+            f"(pid {who.get('pid', '?')}, since {who.get('since', '?')})")
+
+
+# --- one agent per host ------------------------------------------------------------------------------------
+
+def agent_command(python: str, model_dir: str) -> str:
+    boot = "import sys,json;exec(compile(json.loads(sys.stdin.buffer.readline()),'kimi_weights_agent','exec'))"
+    return f"{python} -c {shlex.quote(boot)} serve --model-dir {shlex.quote(model_dir)}"
+
+
+class AgentLink:
+    """The JSON-lines channel to one host's agent; events go to a shared queue as (host, event)."""
+
+    def __init__(self, host: str, session: Session, python: str, model_dir: str, events: queue.Queue,
+                 secrets: list[str]):
+        self.host, self.events, self.secrets = host, events, secrets
+        transport = session._client.get_transport()
+        self.server_key = transport.get_remote_server_key()
+        self.chan = transport.open_session()
+        self.chan.exec_command(agent_command(python, model_dir))
+        self.chan.sendall((json.dumps(AGENT_SRC.read_text()) + "\n").encode())
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        f = self.chan.makefile("rb")
+        for line in f:
+            try:
+                self.events.put((self.host, json.loads(line)))
+            except ValueError:
+                continue
+        err = self.chan.makefile_stderr("rb").read().decode(errors="replace")
+        for s in self.secrets:
+            err = err.replace(s, "***")
+        self.stderr = err.strip().splitlines()[-20:]
+        self.events.put((self.host, {"ev": "eof", "rc": self.chan.recv_exit_status()}))
+
+    def send(self, op: dict[str, Any]) -> None:
+        self.chan.sendall((json.dumps(op) + "\n").encode())
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, EOFError):
+            self.chan.shutdown_write()
+        self.chan.close()
+
+
+def _peer(target: Target) -> dict[str, Any]:
+    return {"name": target.name, "address": target.address, "port": target.port, "user": target.user}
+
+
+def _known_hosts_line(target: Target, key) -> str:
+    name = target.address if target.port == 22 else f"[{target.address}]:{target.port}"
+    return f"{name} {key.get_name()} {key.get_base64()}\n"
+
+
+def ssh_command(target: Target) -> list[str]:
+    """The OpenSSH client argv that reaches a host the way the inventory says (for rsync -e)."""
+    argv = ["ssh", "-p", str(target.port), "-o", "BatchMode=yes", "-o",
+            f"StrictHostKeyChecking={'yes' if target.strict else 'accept-new'}"]
+    for k in target.key_files:
+        argv += ["-i", k, "-o", "IdentitiesOnly=yes"]
+    if target.known_hosts:
+        argv += ["-o", "UserKnownHostsFile=" + " ".join(target.known_hosts)]
+    if target.ssh_config:
+        argv += ["-F", target.ssh_config]
+    return argv
+
+
+# --- the run -----------------------------------------------------------------------------------------------
+
+class Stager:
+    """One `weights pull|verify|status` over the hosts of an inventory."""
+
+    def __init__(self, inv: Inventory, manifest, reporter: Reporter | None = None, *,
+                 opts: PullOptions | None = None, warnings: list[str] | None = None):
+        self.inv, self.m, self.opts = inv, manifest, opts or PullOptions()
+        self.r = reporter or Reporter()
+        self.warnings = warnings or []
+        self.c = inv.cluster
+        self.digest = manifest.digest()
+        self.size = {f.path: f.size for f in manifest.files}
+        self.order = [f.path for f in manifest.files]
+        self.targets = {h.name: target_for(h) for h in inv.hosts}
+        self.state_dir = {h.name: h.kimi_state_dir for h in inv.hosts}
+        self.events: queue.Queue = queue.Queue()
+        self.secrets = [s for s in (self.opts.token,) if s]
+        self.reports = {h.name: HostReport(h.name, files=len(self.order)) for h in inv.hosts}
+        self.links: dict[str, AgentLink] = {}
+        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+        self.run_dir = control_dir(self.c.name) / "runs" / f"{stamp}-weights"
+        self.key_comment = f"kimictl-weights:{self.c.name}"
+        self.prepared = self.cleaned = False
+
+    # --- agents --------------------------------------------------------------------------------------
+    def _open(self, sessions: Sessions, mode: str, pull: bool, invalidate: bool = False) -> dict[str, dict]:
+        """Start every agent and say hello; the answer is each host's state."""
+        for name, err in sessions.errors().items():
+            rep = self.reports[name]
+            rep.state, rep.error = "unreachable", str(err)
+        for name, s in sessions.sessions.items():
+            if isinstance(s, SSHError):
+                continue
+            try:
+                self.links[name] = AgentLink(name, s, self.c.kimi_python, self.c.kimi_model_dir, self.events,
+                                             self.secrets)
+            except Exception as exc:  # paramiko channel errors
+                self.reports[name].state, self.reports[name].error = "unreachable", f"cannot start the agent: {exc}"
+        manifest = json.loads(self.m.to_json())
+        for link in self.links.values():
+            link.send({"op": "hello", "manifest": manifest, "digest": self.digest, "mode": mode, "pull": pull,
+                       "invalidate": invalidate,
+                       "holder": holder("weights pull")})
+        states: dict[str, dict] = {}
+        while len(states) < len(self.links):
+            host, ev = self._next(60.0)
+            if ev["ev"] == "state":
+                states[host] = ev
+            elif ev["ev"] in ("locked", "error", "eof"):
+                self._abort_on(host, ev, "start")
+        return states
+
+    def _next(self, timeout: float) -> tuple[str, dict]:
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            raise HostError(f"no word from any host agent for {timeout:.0f}s", step="weights") from None
+
+    def _abort_on(self, host: str, ev: dict, step: str) -> None:
+        link = self.links.get(host)
+        if ev["ev"] == "locked":
+            raise KimictlError(f"host {host}: another weights run holds {self.c.kimi_model_dir}: "
+                               f"{_holder_text(ev.get('holder') or {})}", hint="wait for it to finish")
+        tail = "\n".join(link.stderr) if link else None
+        msg = ev.get("message") or f"the weights agent exited (rc {ev.get('rc')})"
+        if ev["ev"] == "eof" and link and not link.stderr and ev.get("rc") == 127:
+            msg += f"; is `{self.c.kimi_python}` a python3 on the host (kimi_python)?"
+        raise HostError(msg, host=host, step=f"weights {step}", log_tail=tail)
+
+    def _close(self) -> None:
+        for link in self.links.values():
+            link.close()
+
+    def _completed(self, host: str) -> None:
+        rep = self.reports[host]
+        rep.state, rep.have, rep.missing, rep.unverified = "complete", len(self.order), [], []
+
+    def _fill(self, host: str, st: dict) -> None:
+        rep = self.reports[host]
+        rep.have, rep.missing, rep.bad, rep.unverified = len(st["have"]), st["missing"], st["bad"], st["unverified"]
+        rep.bytes_read, rep.seconds = st["bytes_read"], st["seconds"]
+        rep.state = "complete" if st["complete"] else "incomplete"
+
+    # --- verify and status (read-only but for stamps; verify drops a marker that lies) ---------------
+    def check(self, action: str) -> WeightsResult:
+        t0 = time.monotonic()
+        mode = {"status": "stat", "verify": "full" if self.opts.full else "stamps"}[action]
+        with Sessions(self.inv, accept_new_keys=self.opts.accept_new_host_keys) as sessions:
+            try:
+                states = self._open(sessions, mode, pull=False, invalidate=action == "verify")
+            finally:
+                self._close()
+        for host, st in states.items():
+            self._fill(host, st)
+        return WeightsResult(action, self.c.name, self.digest, self.m.total_bytes, list(self.reports.values()),
+                             time.monotonic() - t0, self.warnings)
+
+    # --- pull ----------------------------------------------------------------------------------------
+    def pull(self) -> WeightsResult:
+        t0 = time.monotonic()
+        with cluster_lock(self.c.name, "weights pull"), \
+                Sessions(self.inv, accept_new_keys=self.opts.accept_new_host_keys) as sessions:
+            if sessions.errors():
+                name, err = next(iter(sessions.errors().items()))
+                raise HostError(f"cannot reach every host: {err}", host=name, step="weights connect")
+            try:
+                shared = self.opts.mode == "shared"
+                states = self._open(sessions, "full" if self.opts.full else "stamps", pull=not shared)
+                for host, st in states.items():
+                    self._fill(host, st)
+                todo = [h for h, st in states.items() if not st["complete"]]
+                if not todo:
+                    self.r.say(f"weights: all {len(states)} host(s) hold the verified checkpoint; nothing to do")
+                elif shared:
+                    self._shared(states)
+                else:
+                    self._gather(states)
+            finally:
+                self._close()
+                if self.prepared:
+                    self._cleanup()
+        return WeightsResult("pull", self.c.name, self.digest, self.m.total_bytes, list(self.reports.values()),
+                             time.monotonic() - t0, self.warnings, changed=self.prepared)
+
+    def _shared(self, states: dict[str, dict]) -> None:
+        short = {h: st for h, st in states.items() if st["missing"] or st["bad"]}
+        if short:
+            h, st = next(iter(short.items()))
+            raise HostError(f"shared mode only verifies: {len(st['missing'])} file(s) missing and {len(st['bad'])} "
+                            f"corrupt under {self.c.kimi_model_dir}", host=h, step="weights verify",
+                            details=[*st["missing"][:5], *st["bad"][:5]])
+        self._finish(list(states))
+
+    # --- prepare / clean up the peer key (Ansible applies; kimictl computed it) ------------------------
+    def _playbook(self, phase: str, extra: dict[str, Any]) -> None:
+        from kimictl.ansible import build_run_spec, close_control_masters, run_playbook
+
+        hosts = [h.name for h in self.inv.hosts]
+        spec = build_run_spec(self.run_dir, "weights.yml", Path(self.inv.path),
+                              {"kimi": {"phase": phase, "state_dir_of": self.state_dir, "cluster": self.c.name,
+                                        "model_dir": self.c.kimi_model_dir, **extra}},
+                              ident=f"weights-{phase}", hosts=hosts, limit=hosts)
+        try:
+            res = run_playbook(spec)
+        finally:
+            close_control_masters(self.run_dir)
+        if not res.ok:
+            f = res.failures[0] if res.failures else None
+            raise HostError(f"playbook weights.yml ({phase}) failed", host=f.host if f else None,
+                            step=f.task if f else phase, log_tail=f.message if f else None,
+                            hint=f"ansible artifacts: {res.artifacts}")
+
+    def _prepare(self) -> None:
+        """Peer key, host keys and the agent to every host in one tarball; runs while the hub pulls go on."""
+        import tarfile
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        key = self.run_dir / "peer_key"
+        key.unlink(missing_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", self.key_comment, "-f", str(key)],
+                       check=True, capture_output=True)
+        known = self.run_dir / "known_hosts"
+        known.write_text("".join(_known_hosts_line(self.targets[h], ln.server_key) for h, ln in self.links.items()))
+        bundle = self.run_dir / "weights-bundle.tar.gz"
+        with tarfile.open(bundle, "w:gz") as tar:
+            for src, name, mode in ((AGENT_SRC, "kimi_weights_agent.py", 0o755), (key, "peer_key", 0o600),
+                                    (known, "known_hosts", 0o644)):
+                info = tar.gettarinfo(str(src), arcname=name)
+                info.mode, info.uid, info.gid, info.uname, info.gname = mode, 0, 0, "", ""
+                with open(src, "rb") as f:
+                    tar.addfile(info, f)
+        bundle.chmod(0o600)
+        try:
+            self._playbook("prepare", {"bundle": str(bundle), "python": self.c.kimi_python,
+                                       "peer_pub": key.with_suffix(".pub").read_text().strip()})
+        finally:
+            for p in (key, key.with_suffix(".pub"), bundle):
+                p.unlink(missing_ok=True)
+
+    def _prepare_async(self) -> None:
+        def run() -> None:
+            try:
+                self._prepare()
+                self.events.put(("@control", {"ev": "prepared"}))
+            except KimictlError as exc:
+                self.events.put(("@control", {"ev": "prepare-failed", "exc": exc}))
+        self.prepared = True   # from here on, cleanup is owed
+        threading.Thread(target=run, daemon=True).start()
+
+    def _cleanup(self) -> None:
+        """Agents remove the key themselves when every host is complete; otherwise Ansible does it."""
+        if self.cleaned:
+            return
+        try:
+            self._playbook("cleanup", {})
+        except KimictlError as exc:
+            self.r.say(f"weights: could not remove the peer key everywhere ({exc.message}); "
+                       "the next pull replaces it")
+
+    # --- the all-gather --------------------------------------------------------------------------------
+    def _gather(self, states: dict[str, dict]) -> None:
+        hosts = list(states)
+        have = {h: set(st["have"]) for h, st in states.items()}
+        holders: dict[str, set[str]] = {p: {h for h in hosts if p in have[h]} for p in self.order}
+        control = self.opts.mode == "control"
+        if control:
+            for p in self.order:
+                holders[p].add("@control")
+        missing_everywhere = [p for p in self.order if not holders[p]]
+        hub_share = _balance(missing_everywhere, self.size, hosts)
+        recv: dict[str, dict[str, str]] = {h: {} for h in hosts}       # host -> path -> source in flight
+        sends: dict[str, int] = {h: 0 for h in [*hosts, "@control"]}
+        hub_left = {h: set(ps) for h, ps in hub_share.items()}
+        tries: dict[tuple[str, str], int] = {}
+        avoid: dict[tuple[str, str], set[str]] = {}
+        inflight_bytes: dict[tuple[str, str], int] = {}
+        done_bytes = {h: sum(self.size[p] for p in have[h]) for h in hosts}
+        completed = {h for h, st in states.items() if st["complete"]}   # left untouched
+        finishing = set(completed)
+        peers_ready = False
+        self.r.start({h: self.m.total_bytes for h in hosts})
+        for h in hosts:
+            self.r.progress(h, done_bytes[h])
+        self.r.say(f"weights: {len(missing_everywhere)} file(s) from "
+                   f"{'this machine' if control else 'the hub'}, then peer to peer across {len(hosts)} host(s)")
+        for h, ps in hub_share.items():
+            if ps and not control:
+                self._hub(h, ps)
+        if len(hosts) > 1:
+            self._prepare_async()
+
+        def slots(h: str) -> int:
+            return self.opts.streams - len(recv[h]) - (1 if hub_left[h] and not control else 0)
+
+        def dispatch() -> None:
+            for h in sorted(hosts, key=lambda x: len(have[x])):
+                while slots(h) > 0:
+                    best = None
+                    for p in self.order:
+                        if p in have[h] or p in recv[h] or (p in hub_left[h] and not control):
+                            continue
+                        srcs = [s for s in holders[p] if sends[s] < self.opts.streams
+                                and (peers_ready or s == "@control") and s not in avoid.get((h, p), ())]
+                        if not srcs:
+                            continue
+                        rank = (len(holders[p]), min(sends[s] for s in srcs))
+                        if best is None or rank < best[0]:
+                            best = (rank, p, min(srcs, key=lambda s: (s == "@control", sends[s])))
+                    if best is None:
+                        break
+                    _, p, src = best
+                    recv[h][p] = src
+                    sends[src] += 1
+                    if src == "@control":
+                        threading.Thread(target=self._push, args=(h, p), daemon=True).start()
+                    else:
+                        kd = f"{self.state_dir[h]}/weights"
+                        self.links[h].send({"op": "fetch", "path": p, "peer": _peer(self.targets[src]),
+                                            "key": f"{kd}/peer_key", "known_hosts": f"{kd}/known_hosts"})
+                if not recv[h] and not (hub_left[h] and not control) and len(have[h]) == len(self.order) \
+                        and h not in finishing:
+                    finishing.add(h)
+                    self.links[h].send({"op": "finish"})
+
+        dispatch()
+        while len(completed) < len(hosts):
+            host, ev = self._next(STALL_S)
+            kind = ev["ev"]
+            if kind == "progress":
+                inflight_bytes[(host, ev["path"])] = int(ev["bytes"])
+                self.r.progress(host, done_bytes[host] + sum(v for (h, _), v in inflight_bytes.items() if h == host))
+                continue
+            if kind == "done":
+                p = ev["path"]
+                have[host].add(p)
+                holders[p].add(host)
+                src = recv[host].pop(p, None)
+                if src:
+                    sends[src] -= 1
+                hub_left[host].discard(p)
+                inflight_bytes.pop((host, p), None)
+                done_bytes[host] += self.size[p]
+                via = ev["via"]
+                self.reports[host].received[via] = self.reports[host].received.get(via, 0) + self.size[p]
+                self.r.progress(host, done_bytes[host])
+            elif kind == "fail":
+                p = ev["path"]
+                inflight_bytes.pop((host, p), None)
+                n = tries[(host, p)] = tries.get((host, p), 0) + 1
+                src = recv[host].pop(p, None)
+                if src:
+                    sends[src] -= 1
+                    avoid.setdefault((host, p), set()).add(src)
+                    if len(avoid[(host, p)]) >= len(holders[p]):
+                        avoid[(host, p)] = set()   # every source failed once: try them again
+                self.r.say(f"weights: {host}: {p} from {ev['via']} failed (try {n}/{MAX_TRIES}): "
+                           f"{ev['error'][-300:]}")
+                if n >= MAX_TRIES:
+                    raise HostError(f"{p} could not be staged after {n} tries: {ev['error'][-500:]}", host=host,
+                                    step=f"weights from {ev['via']}")
+                if ev["via"] == "hub" and p in hub_left[host]:
+                    self._hub(host, [p])
+            elif kind == "complete":
+                completed.add(host)
+                self._completed(host)
+            elif kind == "prepared":
+                peers_ready = True
+            elif kind == "prepare-failed":
+                raise ev["exc"]
+            elif kind in ("error", "eof", "locked"):
+                self._abort_on(host, ev, "transfer")
+            dispatch()
+        if self.prepared:
+            self._agents_cleanup(peers_ready)
+
+    def _agents_cleanup(self, prepared: bool) -> None:
+        """Each agent takes the run's key off its host (after the prepare run ended, so nothing comes back)."""
+        while not prepared:
+            host, ev = self._next(STALL_S)
+            if ev["ev"] == "prepare-failed":
+                return   # the playbook cleanup runs
+            prepared = ev["ev"] == "prepared"
+        for h, link in self.links.items():
+            link.send({"op": "cleanup", "key_comment": self.key_comment,
+                       "key_dir": f"{self.state_dir[h]}/weights"})
+        left = set(self.links)
+        while left:
+            host, ev = self._next(60.0)
+            if ev["ev"] == "cleaned":
+                left.discard(host)
+            elif ev["ev"] in ("error", "eof"):
+                return
+        self.cleaned = True
+
+    def _hub(self, host: str, files: list[str]) -> None:
+        c = self.c
+        self.links[host].send({"op": "hub", "files": files, "source": c.kimi_model_source, "model_id": c.kimi_model_id,
+                               "revision": self.m.revision, "endpoint": c.kimi_model_endpoint,
+                               "token": self.opts.token})
+
+    def _push(self, host: str, path: str) -> None:
+        """Control mode: rsync one file from this machine into the host's staging area, then adopt it."""
+        t = self.targets[host]
+        dest = f"{self.c.kimi_model_dir}/{agent_mod.STAGING}/push/{path}"
+        addr = f"[{t.address}]" if ":" in t.address else t.address
+        assert self.opts.source_dir is not None
+        cmd = ["rsync", "--mkpath", "--partial", "--partial-dir=.kimi-partial", "--progress", "--timeout=60",
+               "-e", shlex.join(ssh_command(t)), str(self.opts.source_dir / path), f"{t.user}@{addr}:{dest}"]
+        rc, tail = agent_mod.run_rsync(cmd, lambda n: self.events.put((host, {"ev": "progress", "path": path,
+                                                                              "bytes": n})))
+        if rc != 0:
+            self.events.put((host, {"ev": "fail", "path": path, "via": "control",
+                                    "error": f"rsync to {host} exited {rc}: {tail}"}))
+            return
+        self.links[host].send({"op": "adopt", "path": path})
+
+    def _finish(self, hosts: list[str]) -> None:
+        for h in hosts:
+            self.links[h].send({"op": "finish"})
+        left = set(hosts)
+        while left:
+            host, ev = self._next(STALL_S)
+            if ev["ev"] == "complete":
+                left.discard(host)
+                self._completed(host)
+            elif ev["ev"] in ("error", "eof"):
+                self._abort_on(host, ev, "finish")
+
+
+def _balance(paths: list[str], size: dict[str, int], hosts: list[str]) -> dict[str, list[str]]:
+    """Largest first onto the least-loaded host; each share keeps manifest order (pipelined pulls)."""
+    load = {h: 0 for h in hosts}
+    share: dict[str, list[str]] = {h: [] for h in hosts}
+    for p in sorted(paths, key=lambda x: -size[x]):
+        h = min(hosts, key=lambda x: (load[x], hosts.index(x)))
+        share[h].append(p)
+        load[h] += size[p]
+    rank = {p: i for i, p in enumerate(paths)}
+    return {h: sorted(ps, key=rank.__getitem__) for h, ps in share.items()}
+
+
+# --- entry points ------------------------------------------------------------------------------------------
+
+def _validate_opts(inv: Inventory, opts: PullOptions) -> None:
+    if opts.mode not in MODES:
+        raise InvalidInput(f"--mode {opts.mode}: expected one of {', '.join(MODES)}")
+    if opts.streams < 1 or opts.streams > 32:
+        raise InvalidInput(f"--streams {opts.streams}: expected 1..32")
+    if opts.mode == "control" and opts.source_dir is None:
+        raise InvalidInput("--mode control needs --from DIR: the checkpoint on this machine to push from")
+    if opts.source_dir is not None and not opts.source_dir.is_dir():
+        raise InvalidInput(f"--from {opts.source_dir}: not a directory")
+    if inv.cluster.kimi_model_source == "local" and opts.mode == "sharded" and opts.source_dir is None:
+        raise InvalidInput("kimi_model_source is local: there is no hub to pull from",
+                           hint="use --mode control --from DIR, or --mode shared to verify a shared path")
+
+
+def pull(inv: Inventory, opts: PullOptions, reporter: Reporter | None = None, manifest=None) -> WeightsResult:
+    """Stage the checkpoint on every host of inv; `manifest` saves a second listing when the caller has one."""
+    from kimictl.weights.manifest import checkpoint_warnings, fetch_small
+
+    _validate_opts(inv, opts)
+    if opts.source_dir is not None and opts.mode == "sharded":
+        opts.mode = "control"
+    r = reporter or Reporter()
+    if manifest is None:
+        r.say(f"weights: reading the file list of {inv.cluster.kimi_model_id} "
+              f"({'local copy' if opts.source_dir else inv.cluster.kimi_model_source})")
+    m = manifest or load_manifest(inv, opts.token, opts.source_dir)
+    c = inv.cluster
+    if opts.source_dir is not None:
+        def read_small(path: str) -> bytes:
+            return (opts.source_dir / path).read_bytes()
+    elif c.kimi_model_source == "local":
+        read_small = None
+    else:
+        cache = control_dir(c.name) / "weights-small"
+
+        def read_small(path: str) -> bytes:
+            return fetch_small(c.kimi_model_source, c.kimi_model_id, c.model_revision, c.kimi_model_endpoint,
+                               opts.token, path, cache)
+    os.environ.setdefault("TQDM_DISABLE", "1")   # the clients' own bars would tear through ours
+    try:
+        warnings = checkpoint_warnings(m, read_small)
+    except KimictlError as exc:
+        warnings = [f"could not read the checkpoint's index/quant description: {exc.message}"]
+    for w in warnings:
+        r.say(f"warning: {w}")
+    r.say(f"weights: {len(m.files)} files, {m.total_bytes / 2**30:.2f} GiB, manifest {m.digest()[:12]}")
+    return Stager(inv, m, r, opts=opts, warnings=warnings).pull()
+
+
+def check(inv: Inventory, action: str, opts: PullOptions, reporter: Reporter | None = None) -> WeightsResult:
+    m = load_manifest(inv, opts.token, refresh=False)
+    return Stager(inv, m, reporter, opts=opts).check(action)
