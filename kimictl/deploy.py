@@ -20,7 +20,7 @@ from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import Rendered, write_rendered
 from kimictl.ssh import Sessions, SSHError
-from kimictl.state import cached_manifest_bytes, control_dir
+from kimictl.state import cached_manifest_bytes, control_dir, save_preflight
 
 SUPERVISOR_SRC = Path(__file__).parent / "supervisor.py"
 LIVE_STATES = ("starting", "running", "backoff")
@@ -402,6 +402,7 @@ class Deployer(EngineOps):
         t0 = time.monotonic()
         report = run_preflight(self.inv, self.plan, accept_new_keys=self.opts.accept_new_host_keys)
         self.timings["preflight"] = round(time.monotonic() - t0, 2)
+        save_preflight(self.plan.cluster, report.to_json())
         if not report.ok:
             bad = report.failed_errors
             raise HostError(f"preflight found {len(bad)} error(s); nothing was changed", host=bad[0].host,

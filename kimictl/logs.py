@@ -334,6 +334,9 @@ if os.path.islink(os.path.join(sd, "current")):
             read(full, "release/" + os.path.relpath(full, cur))
 for p in sorted(glob.glob(os.path.join(sd, "run", "*.json"))):
     read(p, "run/" + os.path.basename(p))
+for n in (".kimi-complete", ".kimi-stamps.json"):   # what `weights pull/verify` recorded
+    if os.path.exists(os.path.join(a["model_dir"], n)):
+        read(os.path.join(a["model_dir"], n), "weights/" + n.lstrip("."))
 sup = os.path.join(sd, "bin", "supervisor.py")
 if os.path.exists(sup):
     run([sys.executable, sup, "status", "--run-dir", os.path.join(sd, "run")], "supervisor-status.json")
@@ -355,7 +358,8 @@ def collect_host_files(inv: Inventory, max_file_bytes: int, timeout: float = 300
 
     def one(name: str, s) -> dict[str, Any]:
         h = inv.host(name)
-        arg = json.dumps({"sd": h.kimi_state_dir, "cap": max_file_bytes, "npus": h.hardware.npus})
+        arg = json.dumps({"sd": h.kimi_state_dir, "cap": max_file_bytes, "npus": h.hardware.npus,
+                          "model_dir": inv.cluster.kimi_model_dir})
         res = s.run(f"python3 - {_q(arg)}", timeout=timeout, stdin=_BUNDLE_SCRIPT)
         if res.rc != 0:
             raise SSHError(f"{name}: collecting files failed (rc {res.rc}): {res.stderr.strip()[-300:]}")
@@ -366,10 +370,10 @@ def collect_host_files(inv: Inventory, max_file_bytes: int, timeout: float = 300
 
 
 def control_files(cluster: str) -> dict[str, str]:
-    """releases.jsonl, current.json and the newest run's plan.json from the control node's state."""
+    """Releases, the last preflight report, the weights manifest and the newest run's plan.json."""
     base = control_dir(cluster)
     out: dict[str, str] = {}
-    for name in ("releases.jsonl", "current.json"):
+    for name in ("releases.jsonl", "current.json", "preflight.json", "weights-manifest.json"):
         p = base / name
         if p.is_file():
             out[name] = p.read_text(errors="replace")

@@ -37,6 +37,15 @@ def write_manifest(cluster: str, files: list[dict], source: dict) -> Path:
     return path
 
 
+def save_preflight(cluster: str, report: dict) -> None:
+    """The last preflight report (for `logs --bundle`)."""
+    path = control_dir(cluster) / "preflight.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def deployed_diff(cluster: str, releases: dict[str, str]) -> dict:
     """Compare a render's per-host release ids with the last successful deploy (control-node record only)."""
     path = control_dir(cluster) / "current.json"

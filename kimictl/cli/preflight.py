@@ -24,6 +24,9 @@ def run_and_print(inventory, topology, output: Output, accept_new_host_keys: boo
     p = prepare(inventory, topology)
     report = run_preflight(p.inventory, p.plan, timeout=timeout, accept_new_keys=accept_new_host_keys,
                            skip=set(skip_check or []))
+    from kimictl.state import save_preflight
+
+    save_preflight(p.plan.cluster, report.to_json())
     if output == Output.json:
         emit_json({**(extra or {}), **report.to_json()})
     else:

@@ -16,6 +16,7 @@ import json
 import os
 import queue
 import shlex
+import shutil
 import socket
 import subprocess
 import threading
@@ -242,7 +243,7 @@ def _known_hosts_line(target: Target, key) -> str:
 def ssh_command(target: Target) -> list[str]:
     """The OpenSSH client argv that reaches a host the way the inventory says (for rsync -e)."""
     argv = ["ssh", "-p", str(target.port), "-o", "BatchMode=yes", "-o",
-            f"StrictHostKeyChecking={'yes' if target.strict else 'accept-new'}"]
+            f"StrictHostKeyChecking={'yes' if target.strict else 'accept-new'}", *agent_mod.FAST_CIPHERS]
     for k in target.key_files:
         argv += ["-i", k, "-o", "IdentitiesOnly=yes"]
     if target.known_hosts:
@@ -669,7 +670,10 @@ def pull(inv: Inventory, opts: PullOptions, reporter: Reporter | None = None, ma
     elif c.kimi_model_source == "local":
         read_small = None
     else:
-        cache = control_dir(c.name) / "weights-small"
+        cache = control_dir(c.name) / "weights-small" / m.digest()[:16]   # never a stale index of another copy
+        for old in cache.parent.glob("*") if cache.parent.is_dir() else []:
+            if old != cache:
+                shutil.rmtree(old, ignore_errors=True)
 
         def read_small(path: str) -> bytes:
             return fetch_small(c.kimi_model_source, c.kimi_model_id, c.model_revision, c.kimi_model_endpoint,

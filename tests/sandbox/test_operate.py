@@ -145,9 +145,11 @@ def test_bundle_has_every_host_and_no_secret(deployed, tmp_path: Path) -> None:
                     "release/manifest.json", *[f"logs/{i}.log" for i in ids], *[f"run/{i}.json" for i in ids],
                     *[f"release/engines/{i}.env" for i in ids if i != "proxy"]):
             assert f"{c}/{host}/{rel}" in names, rel
+        # deploy staged the weights from the sandbox's hub: their verify record travels too
+        assert f"{c}/{host}/weights/kimi-complete" in names and f"{c}/{host}/weights/kimi-stamps.json" in names
     assert f"{c}/atlas-01/release/proxy/proxy.sh" in names
     assert f"{c}/atlas-02/logs/decode-0-dp1.log.1" in names
-    for rel in ("releases.jsonl", "current.json", "plan.json"):
+    for rel in ("releases.jsonl", "current.json", "plan.json", "preflight.json", "weights-manifest.json"):
         assert f"{c}/_control-node/{rel}" in names
     assert all(n.startswith(f"{c}/") for n in names)
     assert "Ascend910" in (out / c / "atlas-01/npu-smi-info.txt").read_text()

@@ -52,6 +52,8 @@ def _control(state_dir: Path, cluster: str) -> None:
         json.dumps({"new": True, "env": {"HF_TOKEN": PLANTED}}))
     (base / "releases.jsonl").write_text('{"release": "r1", "result": "deployed"}\n')
     (base / "current.json").write_text('{"release": "r1"}')
+    (base / "preflight.json").write_text('{"summary": {"error": 0}}')
+    (base / "weights-manifest.json").write_text('{"files": []}')
 
 
 def test_bundle_layout_mode_and_no_secret(tmp_path: Path, state_dir: Path, monkeypatch) -> None:
@@ -74,6 +76,8 @@ def test_bundle_layout_mode_and_no_secret(tmp_path: Path, state_dir: Path, monke
             assert f"{cluster}/{h.name}/{rel}" in names
     assert json.loads(texts[f"{cluster}/_control-node/plan.json"])["new"] is True
     assert f"{cluster}/_control-node/releases.jsonl" in names and f"{cluster}/_control-node/current.json" in names
+    for rel in ("preflight.json", "weights-manifest.json"):   # preflight and weights-verify results travel too
+        assert f"{cluster}/_control-node/{rel}" in names
     assert all(n.startswith(f"{cluster}/") for n in names)
     blob = "\n".join(texts.values())
     assert PLANTED not in blob and API not in blob
