@@ -301,34 +301,39 @@ class Agent:
         return pull_hf
 
     def op_fetch(self, op: dict) -> None:
-        """rsync one verified file from a peer (read-only forced command there), in its own thread."""
-        path = op["path"]
-        threading.Thread(target=self._guard, args=(path, op["peer"]["name"],
-                                                   lambda t0: self._fetch(op, t0)), daemon=True).start()
+        """rsync verified files from one peer (read-only forced command there) in one stream, own thread."""
+        threading.Thread(target=self._fetch, args=(op,), daemon=True).start()
 
-    def _fetch(self, op: dict, t0: float) -> None:
-        path, peer = op["path"], op["peer"]
-        dest = self.stage / "peer" / path
-        dest.parent.mkdir(parents=True, exist_ok=True)
+    def _fetch(self, op: dict) -> None:
+        paths, peer, t0 = op["paths"], op["peer"], time.monotonic()
+        root = self.stage / "peer"
+        root.mkdir(parents=True, exist_ok=True)
         addr = f"[{peer['address']}]" if ":" in peer["address"] else peer["address"]
         ssh = shlex.join(["ssh", "-i", op["key"], "-p", str(peer["port"]),
                           "-o", f"UserKnownHostsFile={op['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
                           "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes", "-o", "ConnectTimeout=10",
                           "-o", "ServerAliveInterval=15", *_multiplex(op["key"])])
-        cmd = ["rsync", "--partial", "--partial-dir=.kimi-partial", "--progress", "--timeout=60", "-e", ssh,
-               f"{peer['user']}@{addr}:{path}", str(dest)]
-        rc, tail = self._run_with_progress(cmd, path)
-        if rc != 0:
-            raise RuntimeError(f"rsync from {peer['name']} exited {rc}: {tail}")
-        self._install(path, dest, peer["name"], t0)
+        # -R keeps each name's directories under the staging root; one remote host, several sources
+        sources = [f"{peer['user']}@{addr}:{paths[0]}", *(f":{p}" for p in paths[1:])]
+        cmd = ["rsync", "-R", "--partial", "--partial-dir=.kimi-partial", "--progress", "--timeout=60", "-e", ssh,
+               *sources, f"{root}/"]
+        try:
+            rc, tail = run_rsync(cmd, lambda p, n: self.emit(ev="progress", path=p, bytes=n), self.children, paths)
+        except OSError as exc:
+            rc, tail = -1, str(exc)
+        for path in paths:   # what arrived whole is kept even when the stream broke later
+            dest = root / path
+            if rc == 0 or (dest.exists() and dest.stat().st_size == self.manifest[path]["size"]):
+                self._guard(path, peer["name"], lambda t, path=path, dest=dest: self._install(path, dest,
+                                                                                            peer["name"], t0))
+            else:
+                self.emit(ev="fail", path=path, via=peer["name"], error=f"rsync from {peer['name']} exited {rc}: "
+                                                                         f"{tail}")
 
     def op_adopt(self, op: dict) -> None:
         """A file the control node pushed into .kimi-staging/push: verify it and rename it into place."""
         path = op["path"]
         self._guard(path, "control", lambda t0: self._install(path, self.stage / "push" / path, "control", t0))
-
-    def _run_with_progress(self, cmd: list[str], path: str) -> tuple[int, str]:
-        return run_rsync(cmd, lambda n: self.emit(ev="progress", path=path, bytes=n), self.children)
 
     # --- the end ---------------------------------------------------------------------------------------
     def op_finish(self, op: dict) -> None:
@@ -410,11 +415,17 @@ def _glob_escape(path: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", path)
 
 
-def run_rsync(cmd: list[str], on_bytes, children: set | None = None) -> tuple[int, str]:
-    """Run rsync --progress; report transferred bytes at most every PROGRESS_EVERY_S; (rc, tail of its output)."""
+def run_rsync(cmd: list[str], on_bytes, children: set | None = None, names: list[str] | None = None
+              ) -> tuple[int, str]:
+    """Run rsync --progress; on_bytes(name, bytes of that file so far) at most every PROGRESS_EVERY_S.
+
+    rsync prints each file's name on a line of its own before that file's progress lines.
+    """
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     if children is not None:
         children.add(proc)
+    known = set(names or [])
+    current = (names or [""])[0]
     tail: list[str] = []
     last, buf = 0.0, b""
     try:
@@ -423,12 +434,15 @@ def run_rsync(cmd: list[str], on_bytes, children: set | None = None) -> tuple[in
             *lines, buf = re.split(rb"[\r\n]", buf)
             for line in lines:
                 m = re.match(rb"^\s*([\d,]+)\s+\d+%", line)
+                text = line.decode(errors="replace").strip()
                 if m:
                     if time.monotonic() - last > PROGRESS_EVERY_S:
                         last = time.monotonic()
-                        on_bytes(int(m.group(1).replace(b",", b"")))
-                elif line.strip():
-                    tail = [*tail[-5:], line.decode(errors="replace").strip()]
+                        on_bytes(current, int(m.group(1).replace(b",", b"")))
+                elif text in known:
+                    current = text
+                elif text:
+                    tail = [*tail[-5:], text]
         return proc.wait(), " | ".join(tail)
     finally:
         if children is not None:

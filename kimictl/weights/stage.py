@@ -34,10 +34,13 @@ from kimictl.state import control_dir, write_manifest
 from kimictl.weights import agent as agent_mod
 
 AGENT_SRC = Path(agent_mod.__file__)
+# The hub clients' own tqdm bars would tear through ours; tqdm reads this once, when it is imported.
+os.environ.setdefault("TQDM_DISABLE", "1")
 MODES = ("sharded", "control", "shared")
 DEFAULT_STREAMS = 4
 MAX_TRIES = 3
 STALL_S = 180.0
+BATCH_BYTES = 64 << 20   # small files share one rsync stream; big ones (real shards are GBs) go alone
 TOKEN_ENV = {"modelscope": ("MODELSCOPE_API_TOKEN",), "huggingface": ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
 
 
@@ -465,7 +468,9 @@ class Stager:
         missing_everywhere = [p for p in self.order if not holders[p]]
         hub_share = _balance(missing_everywhere, self.size, hosts)
         recv: dict[str, dict[str, str]] = {h: {} for h in hosts}       # host -> path -> source in flight
-        sends: dict[str, int] = {h: 0 for h in [*hosts, "@control"]}
+        sends: dict[str, int] = {h: 0 for h in [*hosts, "@control"]}   # streams out of each holder
+        streams_in: dict[str, int] = {h: 0 for h in hosts}
+        batch: dict[tuple[str, str], list[str]] = {}   # (host, path) -> the paths that share its stream
         hub_left = {h: set(ps) for h, ps in hub_share.items()}
         tries: dict[tuple[str, str], int] = {}
         avoid: dict[tuple[str, str], set[str]] = {}
@@ -486,14 +491,27 @@ class Stager:
             self._prepare_async()
 
         def slots(h: str) -> int:
-            return self.opts.streams - len(recv[h]) - (1 if hub_left[h] and not control else 0)
+            return self.opts.streams - streams_in[h] - (1 if hub_left[h] and not control else 0)
+
+        def wanted(h: str, p: str) -> bool:
+            return p not in have[h] and p not in recv[h] and not (p in hub_left[h] and not control)
+
+        def landed(h: str, p: str) -> str | None:
+            """p left host h's stream (done or failed); the stream's slots free up with its last file."""
+            src = recv[h].pop(p, None)
+            group = batch.pop((h, p), [p])
+            group.remove(p)
+            if src and not group:
+                sends[src] -= 1
+                streams_in[h] -= 1
+            return src
 
         def dispatch() -> None:
             for h in sorted(hosts, key=lambda x: len(have[x])):
                 while slots(h) > 0:
                     best = None
                     for p in self.order:
-                        if p in have[h] or p in recv[h] or (p in hub_left[h] and not control):
+                        if not wanted(h, p):
                             continue
                         srcs = [s for s in holders[p] if sends[s] < self.opts.streams
                                 and (peers_ready or s == "@control") and s not in avoid.get((h, p), ())]
@@ -505,13 +523,24 @@ class Stager:
                     if best is None:
                         break
                     _, p, src = best
-                    recv[h][p] = src
+                    group = [p]
+                    if src != "@control":   # more of what this holder has, up to BATCH_BYTES, in the same stream
+                        more = sorted((q for q in self.order if q != p and wanted(h, q) and src in holders[q]),
+                                      key=lambda q: len(holders[q]))
+                        for q in more:
+                            if sum(self.size[x] for x in group) + self.size[q] > BATCH_BYTES:
+                                break
+                            group.append(q)
+                    for q in group:
+                        recv[h][q] = src
+                        batch[(h, q)] = group
                     sends[src] += 1
+                    streams_in[h] += 1
                     if src == "@control":
                         threading.Thread(target=self._push, args=(h, p), daemon=True).start()
                     else:
                         kd = f"{self.state_dir[h]}/weights"
-                        self.links[h].send({"op": "fetch", "path": p, "peer": _peer(self.targets[src]),
+                        self.links[h].send({"op": "fetch", "paths": group, "peer": _peer(self.targets[src]),
                                             "key": f"{kd}/peer_key", "known_hosts": f"{kd}/known_hosts"})
                 if not recv[h] and not (hub_left[h] and not control) and len(have[h]) == len(self.order) \
                         and h not in finishing:
@@ -530,9 +559,7 @@ class Stager:
                 p = ev["path"]
                 have[host].add(p)
                 holders[p].add(host)
-                src = recv[host].pop(p, None)
-                if src:
-                    sends[src] -= 1
+                landed(host, p)
                 hub_left[host].discard(p)
                 inflight_bytes.pop((host, p), None)
                 done_bytes[host] += self.size[p]
@@ -543,9 +570,8 @@ class Stager:
                 p = ev["path"]
                 inflight_bytes.pop((host, p), None)
                 n = tries[(host, p)] = tries.get((host, p), 0) + 1
-                src = recv[host].pop(p, None)
+                src = landed(host, p)
                 if src:
-                    sends[src] -= 1
                     avoid.setdefault((host, p), set()).add(src)
                     if len(avoid[(host, p)]) >= len(holders[p]):
                         avoid[(host, p)] = set()   # every source failed once: try them again
@@ -602,8 +628,8 @@ class Stager:
         assert self.opts.source_dir is not None
         cmd = ["rsync", "--mkpath", "--partial", "--partial-dir=.kimi-partial", "--progress", "--timeout=60",
                "-e", shlex.join(ssh_command(t)), str(self.opts.source_dir / path), f"{t.user}@{addr}:{dest}"]
-        rc, tail = agent_mod.run_rsync(cmd, lambda n: self.events.put((host, {"ev": "progress", "path": path,
-                                                                              "bytes": n})))
+        rc, tail = agent_mod.run_rsync(cmd, lambda _p, n: self.events.put((host, {"ev": "progress", "path": path,
+                                                                                  "bytes": n})))
         if rc != 0:
             self.events.put((host, {"ev": "fail", "path": path, "via": "control",
                                     "error": f"rsync to {host} exited {rc}: {tail}"}))
@@ -678,7 +704,6 @@ def pull(inv: Inventory, opts: PullOptions, reporter: Reporter | None = None, ma
         def read_small(path: str) -> bytes:
             return fetch_small(c.kimi_model_source, c.kimi_model_id, c.model_revision, c.kimi_model_endpoint,
                                opts.token, path, cache)
-    os.environ.setdefault("TQDM_DISABLE", "1")   # the clients' own bars would tear through ours
     try:
         warnings = checkpoint_warnings(m, read_small)
     except KimictlError as exc:
