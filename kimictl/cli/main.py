@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from kimictl.cli import deploy, lifecycle, logs, preflight, sandbox, static, status, weights
+from kimictl.cli import rollout as rollout_cli
 
 app = typer.Typer(
     name="kimictl",
@@ -21,6 +22,7 @@ app.command()(static.render)
 app.command()(static.schema)
 app.command()(preflight.preflight)
 app.command()(deploy.deploy)
+app.command()(rollout_cli.rollout)
 app.command()(deploy.rollback)
 app.command()(status.status)
 app.command()(status.bench)

@@ -163,3 +163,9 @@ def kimictl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run `kimictl ARGS` in a subprocess, as a user or CI would."""
     return subprocess.run([sys.executable, "-m", "kimictl", *args], capture_output=True, text=True,
                           timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="session")
+def sandbox_a3_4(tmp_path_factory):
+    """Four Atlas 800 A3 hosts: a3-pd plans 2P2D, so every role keeps a live instance while another restarts."""
+    yield from _bring_up(tmp_path_factory.mktemp("sb-a3x4"), "--hosts", "4", "--hardware", "atlas-800-a3")

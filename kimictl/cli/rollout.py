@@ -1,0 +1,93 @@
+"""`kimictl rollout`: change a running P/D deployment slice by slice (canary, drain, restart, gates, rollback)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from kimictl.cli.common import InventoryOpt, Output, OutputOpt, emit_json, handle_errors, stderr_console
+
+
+@handle_errors
+def rollout(
+    inventory: InventoryOpt,
+    topology: Annotated[str | None, typer.Option(
+        "--topology", "-t", help="Preset or topology file; default the topology of the current release (with the "
+                                 "--set values of earlier rollouts).")] = None,
+    sets: Annotated[list[str] | None, typer.Option(
+        "--set", metavar="KEY=VALUE", help="Change one plan input (repeatable): decode.serve.max-num-seqs=32, "
+                                           "prefill.env.NAME=1, serve.seed=7, kimi_vllm_ascend_version=0.23.0; "
+                                           "VALUE is YAML, null removes a key.")] = None,
+    canary: Annotated[int, typer.Option("--canary", min=0, help="Slices rolled (and gated) first.")] = 1,
+    serial: Annotated[int, typer.Option("--serial", min=1, help="Slices per batch after the canary.")] = 1,
+    check: Annotated[bool, typer.Option("--check", help="Show slices, order and gates; change nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=1.0, help="Seconds to let a drained "
+                                                 "slice's in-flight requests finish.")] = 300.0,
+    drain_quiet: Annotated[float, typer.Option("--drain-quiet", min=0.0, help="Seconds a drained slice must stay "
+                                               "idle before it stops (covers requests still in their prefill "
+                                               "elsewhere).")] = 5.0,
+    allow_proxy_restart: Annotated[bool, typer.Option(
+        "--allow-proxy-restart", help="Re-add slices by restarting a proxy that cannot add workers at runtime "
+                                      "(static vllm-router P/D mode); clients see refused connections meanwhile.")
+    ] = False,
+    router: Annotated[list[str] | None, typer.Option(
+        "--router", metavar="URL", help="Another router in front of the same engines (repeatable); it must add "
+                                        "workers at runtime (vllm-router --enable-igw).")] = None,
+    ready_timeout: Annotated[float | None, typer.Option("--ready-timeout",
+                                                        help="Seconds to wait for engines to load.")] = None,
+    accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys")] = False,
+    output: OutputOpt = Output.text,
+) -> None:
+    """Roll a change out slice by slice: canary first, each slice drained, restarted, gated, re-added."""
+    from kimictl.rollout import Rollout, RolloutOptions, prepare_rollout
+
+    err = stderr_console()
+    inv, record, old, new, topo, parsed = prepare_rollout(Path(inventory), topology, sets or [])
+    opts = RolloutOptions(canary=canary, serial=serial, check=check, drain_timeout=drain_timeout,
+                          drain_quiet=drain_quiet, ready_timeout=ready_timeout,
+                          allow_proxy_restart=allow_proxy_restart, routers=router or [],
+                          accept_new_host_keys=accept_new_host_keys)
+
+    def say(msg: str) -> None:
+        err.print(f"[cyan]rollout[/] {msg}", highlight=False)
+
+    def on_event(host: str, task: str, status: str) -> None:
+        if status in ("failed", "unreachable"):
+            err.print(f"  [bold red]{status:>11}[/] {host}: {task}", highlight=False)
+
+    ro = Rollout(inv, record, old, new, topo, parsed, opts, say, on_event)
+    if not check and not yes and sys.stdin.isatty() and sys.stderr.isatty():
+        typer.confirm(f"Roll {', '.join(parsed_raw(parsed)) or topo.name} out to {inv.cluster.name} "
+                      f"(release {record.get('release')} -> {ro.release})?", abort=True, err=True)
+    result = ro.run()
+    if output == Output.json:
+        emit_json(result.to_json())
+        return
+    if result.result == "no-changes":
+        typer.echo(f"no changes: release {result.previous_release} already runs on every slice")
+        return
+    verb = "would roll out" if result.result == "check" else "rolled out"
+    typer.echo(f"{verb} release {result.release} (from {result.previous_release}); proxy membership: "
+               + ", ".join(f"{u} {m}" for u, m in result.membership.items()))
+    for i, names in enumerate(result.batches):
+        reps = [s for s in result.slices if s.name in names]
+        canary_mark = " (canary)" if reps and reps[0].canary else ""
+        line = f"  batch {i + 1}{canary_mark}: {', '.join(names)}"
+        if result.result != "check":
+            line += " - " + ", ".join(f"{s.name} {s.result} in {s.seconds.get('total', 0):.1f}s" for s in reps)
+        typer.echo(line)
+    for n in result.notes:
+        typer.echo(f"  note: {n}")
+    if result.proxy_restarts:
+        typer.echo(f"  proxy restarts: {len(result.proxy_restarts)} ("
+                   + ", ".join(f"{r['seconds']:.1f}s" for r in result.proxy_restarts) + ")")
+    if result.run_dir:
+        typer.echo(f"run directory: {result.run_dir}")
+
+
+def parsed_raw(parsed) -> list[str]:
+    return [s.raw for s in parsed]

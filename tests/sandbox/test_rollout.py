@@ -1,0 +1,281 @@
+"""`kimictl rollout` on a 4-host A3 sandbox (a3-pd = 2P2D) under client load: every slice changes one at a time
+with zero client errors through a router that adds workers at runtime, and a canary that fails its gate is rolled
+back automatically, leaving the cluster healthy on the old release.
+
+The proxy kimictl deploys runs vllm-router 0.1.17 in static P/D mode: it drops workers at runtime
+(`/remove_worker`) but cannot add them back (`POST /workers` -> 400 "PD router requires specific
+add_prefill_server or add_decode_server methods"), so re-adding a slice costs a restart of that proxy (refused
+connections for a moment). The zero-error load therefore runs through a second vllm-router 0.1.17 started here in
+IGW mode (`--enable-igw`, runtime membership) in front of the same engines, passed to rollout with `--router`;
+a second load through the deployed proxy checks that its only failures are refused connections while it
+restarts, never an HTTP error from routing to a draining or restarting engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.sandbox
+
+SD = "/var/lib/kimi"
+
+
+def kimictl(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kimictl", *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, str]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.status, r.read().decode()
+
+
+@dataclass
+class Load:
+    """A bounded client loop through one URL in threads: counts successes and classifies every failure."""
+
+    url: str
+    threads: int
+    ok: int = 0
+    errors: list[tuple[float, str, str]] = field(default_factory=list)
+    first: float | None = None
+    last: float | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _workers: list[threading.Thread] = field(default_factory=list)
+
+    def _loop(self, k: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            i += 1
+            kind, detail = "ok", ""
+            try:
+                code, text = _post(self.url, {"model": "kimi-k2.5", "prompt": f"client {k} request {i} " * 12,
+                                              "max_tokens": 16})
+                if code != 200 or not json.loads(text).get("choices"):
+                    kind, detail = f"http {code}", text[:200]
+            except urllib.error.HTTPError as exc:
+                kind, detail = f"http {exc.code}", exc.read().decode(errors="replace")[:200]
+            except urllib.error.URLError as exc:
+                refused = isinstance(exc.reason, ConnectionRefusedError)
+                kind, detail = ("refused" if refused else "network"), str(exc.reason)[:200]
+                if refused:
+                    time.sleep(0.05)  # a client backs off a little instead of spinning on a closed port
+            except (OSError, ValueError) as exc:
+                kind, detail = "network", repr(exc)[:200]
+            now = time.time()
+            with self._lock:
+                if kind == "ok":
+                    self.ok += 1
+                    self.first = self.first or now
+                    self.last = now
+                else:
+                    self.errors.append((now, kind, detail))
+
+    def start(self) -> Load:
+        self._workers = [threading.Thread(target=self._loop, args=(k,), daemon=True) for k in range(self.threads)]
+        for t in self._workers:
+            t.start()
+        return self
+
+    def stop(self) -> Load:
+        self._stop.set()
+        for t in self._workers:
+            t.join(timeout=120)
+        return self
+
+    def kinds(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for _, kind, _ in self.errors:
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
+
+@pytest.fixture(scope="module")
+def cluster(sandbox_a3_4, tmp_path_factory):
+    """a3-pd deployed on the 4-host sandbox (2P2D), plus an IGW-mode vllm-router with every engine registered."""
+    sb = sandbox_a3_4
+    inv = str(sb.inventory)
+    dep = kimictl("deploy", "-i", inv, "--topology", "a3-pd", "--yes", "--output", "json")
+    assert dep.returncode == 0, dep.stderr[-3000:]
+    rendered = json.loads(kimictl("render", "-i", inv, "--topology", "a3-pd", "--output", "json").stdout)
+    engines = [e for e in rendered["engines"] if e["serves_http"]]
+    assert sorted({e["instance"] for e in engines}) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
+
+    port = _free_port()
+    log = tmp_path_factory.mktemp("igw-router") / "router.log"
+    url = f"http://127.0.0.1:{port}"
+    first = {r: next(e for e in engines if e["role"] == r) for r in ("prefill", "decode")}
+    with log.open("w") as out:
+        router = subprocess.Popen(
+            [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+             "--prometheus-port", str(_free_port()), "--policy", "round_robin", "--vllm-pd-disaggregation",
+             "--enable-igw", "--prefill", f"http://{first['prefill']['ip']}:{first['prefill']['port']}",
+             "--decode", f"http://{first['decode']['ip']}:{first['decode']['port']}"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert router.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.2)
+        for e in engines:  # IGW mode ignores --prefill/--decode: every worker is registered at runtime
+            code, text = _post(f"{url}/workers", {"url": f"http://{e['ip']}:{e['port']}", "worker_type": e["role"]})
+            assert code == 200, text
+        workers = json.loads(urllib.request.urlopen(f"{url}/workers", timeout=5).read())["workers"]
+        assert len(workers) == len(engines) == 12
+        sb.cluster = yaml.safe_load(sb.inventory.read_text())["all"]["vars"]["kimi_cluster"]
+        sb.router = url
+        sb.engines = engines
+        yield sb
+    finally:
+        router.terminate()
+        try:
+            router.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            router.kill()
+            router.wait(timeout=10)
+
+
+def _state_dir(sb) -> Path:
+    return Path(os.environ["KIMICTL_STATE_DIR"]) / sb.cluster
+
+
+def _supervised(sb) -> dict[str, dict]:
+    out = {}
+    for h in sb.hosts:
+        res = sb.ssh(h, f"python3 {SD}/bin/supervisor.py status --run-dir {SD}/run")
+        out.update({f"{h}:{s['name']}": s for s in json.loads(res.stdout)})
+    return out
+
+
+def _status(sb) -> tuple[int, dict]:
+    st = kimictl("status", "-i", str(sb.inventory), "--output", "json", timeout=300)
+    return st.returncode, json.loads(st.stdout)
+
+
+def test_rollout_of_a_serve_flag_changes_every_slice_with_zero_client_errors(cluster) -> None:
+    sb = cluster
+    inv = str(sb.inventory)
+    args = ["rollout", "-i", inv, "--set", "serve.seed=2048", "--router", sb.router, "--yes", "--output", "json"]
+    check = kimictl(*args, "--check")
+    assert check.returncode == 0, check.stderr[-3000:]
+    plan = json.loads(check.stdout)
+    assert plan["result"] == "check" and plan["first_role"] == "decode"
+    assert plan["batches"] == [["decode-0"], ["decode-1"], ["prefill-0"], ["prefill-1"]]
+    assert plan["membership"] == {f"http://{sb.host('atlas-01')['ip']}:8000": "restart", sb.router: "runtime"}
+
+    before = _supervised(sb)
+    # The deployed proxy cannot re-add a slice without restarting: refused unless the user accepts that.
+    refused = kimictl(*args)
+    assert refused.returncode == 2 and "--allow-proxy-restart" in refused.stdout, refused.stdout[-2000:]
+    assert "Traceback" not in refused.stderr
+    assert {k: v["child_pid"] for k, v in _supervised(sb).items()} == {k: v["child_pid"] for k, v in before.items()}
+
+    through_router = Load(f"{sb.router}/v1/completions", threads=2).start()
+    through_proxy = Load(f"http://{sb.host('atlas-01')['ip']}:8000/v1/completions", threads=1).start()
+    time.sleep(3)
+    t0 = time.time()
+    proc = kimictl(*args, "--allow-proxy-restart")
+    t1 = time.time()
+    time.sleep(3)
+    through_router.stop()
+    through_proxy.stop()
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    print(f"\nrollout wall time {t1 - t0:.1f}s; per slice: "
+          + ", ".join(f"{s['name']} {s['seconds']}" for s in doc["slices"]))
+    print(f"proxy restarts: {doc['proxy_restarts']}")
+    print(f"client load through the IGW router: {through_router.ok} ok, errors {through_router.kinds()}")
+    print(f"client load through the deployed proxy: {through_proxy.ok} ok, errors {through_proxy.kinds()}")
+
+    assert doc["result"] == "rolled-out" and doc["batches"] == plan["batches"]
+    assert [s["result"] for s in doc["slices"]] == ["rolled-out"] * 4
+    assert all(len(s["probes"]) == len([e for e in s["engines"]]) and all(p["ok"] for p in s["probes"])
+               for s in doc["slices"])
+    # zero errors through the router with runtime membership, and it kept serving during the whole rollout
+    assert through_router.errors == [], through_router.errors[:5]
+    assert through_router.ok >= 100 and through_router.first < t0 + 5 and through_router.last > t1 - 5
+    # the deployed proxy: refused connections while it restarts, never an HTTP error
+    assert [e for e in through_proxy.errors if e[1] != "refused"] == [], through_proxy.errors[:5]
+    assert len(doc["proxy_restarts"]) == 4
+
+    after = _supervised(sb)
+    engines = [k for k in before if not k.endswith(":proxy")]
+    assert len(engines) == 12
+    assert all(after[k]["child_pid"] != before[k]["child_pid"] and after[k]["tag"] != before[k]["tag"]
+               for k in engines)
+    for h in sb.hosts:
+        scripts = sb.ssh(h, f"cat {SD}/current/engines/*.sh").stdout
+        assert scripts.count("--seed 2048") == (2 if h in ("atlas-01", "atlas-02") else 4), h
+
+    current = json.loads((_state_dir(sb) / "current.json").read_text())
+    assert current["release"] == doc["release"] and current["kind"] == "rollout"
+    assert Path(current["run_dir"], "topology.yml").exists()
+    code, st = _status(sb)
+    assert code == 0 and st["state"] == "healthy" and st["drift"] == [] and st["release"] == doc["release"]
+
+    again = kimictl("rollout", "-i", inv, "--router", sb.router, "--yes", "--output", "json")
+    assert again.returncode == 0 and json.loads(again.stdout)["result"] == "no-changes", again.stderr[-2000:]
+
+
+def test_a_canary_that_fails_its_gate_is_rolled_back(cluster) -> None:
+    sb = cluster
+    inv = str(sb.inventory)
+    args = ["rollout", "-i", inv, "--set", "decode.serve.max-num-seqs=12", "--router", sb.router,
+            "--allow-proxy-restart", "--yes", "--output", "json"]
+    plan = json.loads(kimictl(*args, "--check").stdout)
+    canary = next(s for s in plan["slices"] if s["canary"])
+    host = canary["hosts"][0]
+    current_before = json.loads((_state_dir(sb) / "current.json").read_text())["release"]
+    tags_before = {k: v["tag"] for k, v in _supervised(sb).items()}
+
+    # The new release crashes at start on the canary's host (engine-crash spares the tags running now).
+    sb.fault(f"engine-crash:{host}:{canary['role']}")
+    load = Load(f"{sb.router}/v1/completions", threads=2).start()
+    try:
+        proc = kimictl(*args)
+    finally:
+        load.stop()
+        sb.fault("clear:all")
+    print(f"\nfailed canary rollout: client load {load.ok} ok, errors {load.kinds()}")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    err = json.loads(proc.stdout)["error"]
+    assert err["type"] == "HostError" and f"rolled back {canary['name']}" in err["message"]
+    assert f"host {host}" in proc.stderr and "--- log tail ---" in proc.stderr
+    assert "engine_crash_at_start" in proc.stderr and f"{canary['name']}-dp" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert load.errors == [], load.errors[:5]
+
+    records = [json.loads(x) for x in (_state_dir(sb) / "releases.jsonl").read_text().splitlines() if x.strip()]
+    assert records[-1]["result"] == "rolled-back" and records[-1]["release"] == current_before
+    assert records[-1]["attempted_release"] == plan["release"]
+    assert json.loads((_state_dir(sb) / "current.json").read_text())["release"] == current_before
+    assert {k: v["tag"] for k, v in _supervised(sb).items()} == tags_before
+    code, st = _status(sb)
+    assert code == 0 and st["state"] == "healthy" and st["drift"] == [] and st["release"] == current_before
