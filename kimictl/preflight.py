@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -11,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from kimictl import ascend
+from kimictl.errors import KimictlError
 from kimictl.facts import check_specs, hardware_catalogue, model_facts, version_profile
 from kimictl.inventory import Host, Inventory
 from kimictl.plan import Plan
@@ -20,7 +22,22 @@ from kimictl.state import cached_manifest_bytes
 
 CLOCK_SKEW_MAX_S = 2.0
 DISK_HEADROOM = 1.05
+LISTING_TIMEOUT_S = 10.0   # a hub that does not answer by then: judge disk room against the estimate
 MIN_HOST_MEMORY_GIB = 64
+
+
+def checkpoint_bytes(inv: Inventory) -> tuple[int, bool]:
+    """(bytes, exact): the recorded manifest, else the hub's listing (read-only, cached), else model facts."""
+    need, exact = cached_manifest_bytes(inv.cluster.name)
+    if need is None and inv.cluster.kimi_model_source != "local":
+        from kimictl.weights.stage import load_manifest, read_token
+
+        try:
+            load_manifest(inv, read_token(inv.cluster.kimi_model_source, None), timeout=LISTING_TIMEOUT_S)
+            need, exact = cached_manifest_bytes(inv.cluster.name)
+        except KimictlError:
+            pass   # hub unreachable from here: judge against the estimate (the message says so)
+    return (need, exact) if need is not None else (model_facts().total_bytes, False)
 
 
 class CheckResult(BaseModel):
@@ -218,7 +235,8 @@ def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_
         need = max(0, int(need_bytes * DISK_HEADROOM) - present)
         label = "checkpoint" if exact else "checkpoint (estimate from model facts)"
         j.add("RES-001", h.name, free >= need,
-              f"{free / 2**30:.1f} GiB free; the {label} of {need_bytes / 2**30:.1f} GiB (+5%) needs "
+              f"{free / 2**30:.1f} GiB free at {inv.cluster.kimi_model_dir}; the {label} of "
+              f"{need_bytes / 2**30:.1f} GiB (+5%) needs "
               f"{need / 2**30:.1f} GiB more")
     mem = ascend.parse_kv(p.text("meminfo"))
     total_gib = int(re.sub(r"\D", "", mem.get("MemTotal", "0")) or 0) / 2**20
@@ -235,11 +253,8 @@ def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_
           f"{sum(u.last - u.first + 1 for u in plan.ports if u.host == h.name)} planned ports free")
 
 
-def _ping_plan(plan: Plan, device_ips: dict[str, list[str | None]]) -> dict[str, list[dict]]:
-    """Per host: pings to every planned peer (same DP group, or the other side of a P/D pair).
-
-    Local NPU k pings peer (k mod #peers) at its NPU k, so every local NPU and every peer is exercised while
-    the count stays at max(NPUs, peers) per host."""
+def _planned_peers(plan: Plan) -> dict[str, set[str]]:
+    """Per host: the hosts it must reach over the device network (same DP group, or the other side of a P/D pair)."""
     peers: dict[str, set[str]] = {h: set() for h in plan.host_roles}
     for inst in plan.instances:
         for a in inst.hosts:
@@ -251,85 +266,160 @@ def _ping_plan(plan: Plan, device_ips: dict[str, list[str | None]]) -> dict[str,
             peers[a].update(dec)
         for b in dec:
             peers[b].update(pre)
-    out: dict[str, list[dict]] = {}
-    for host, ps in peers.items():
-        plist = sorted(ps)
-        local = [i for i, ip in enumerate(device_ips.get(host, [])) if ip]
-        pings = []
-        for n in range(max(len(local), len(plist)) if plist and local else 0):
-            k = local[n % len(local)]
-            peer = plist[n % len(plist)]
-            ips = device_ips.get(peer, [])
-            if k < len(ips) and ips[k]:
-                pings.append({"npu": k, "address": ips[k], "peer": peer})
-        out[host] = pings
+    return peers
+
+
+def _ping_plan(plan: Plan, device_ips: dict[str, list[str | None]]) -> dict[str, list[dict]]:
+    """Per host: the device pings it runs, {npu, address, peer, peer_npu} each (NPU `npu` pings `address`, the
+    device IP of NPU `peer_npu` on `peer`).
+
+    A ping tests the path between two NPUs both ways (the echo and its reply cross it), so it counts for both
+    hosts and the mesh is a set of NPU pairs, not directed pings: every NPU with a known device IP on a host with
+    planned peers is in at least one pair, every planned host pair has at least one, NPU k is paired with NPU k
+    where the peer has it, and each pair is pinged by whichever end has fewer pings so far. That is about half
+    the pings of pinging from both ends, and the same on every host whatever the cluster size."""
+    peers = _planned_peers(plan)
+    local = {h: [i for i, ip in enumerate(device_ips.get(h) or []) if ip] for h in peers}
+    rank = {h: n for n, h in enumerate(peers)}
+    covered: dict[str, set[int]] = {h: set() for h in peers}
+    pairs: dict[frozenset[str], int] = {}
+    out: dict[str, list[dict]] = {h: [] for h in peers}
+
+    def target(k: int, b: str) -> int:
+        if k in local[b]:
+            return k
+        free = [x for x in local[b] if x not in covered[b]]
+        return free[0] if free else local[b][k % len(local[b])]
+
+    def add(a: str, k: int, b: str, kb: int) -> None:
+        if len(out[b]) < len(out[a]):
+            a, k, b, kb = b, kb, a, k
+        ips = device_ips[b]
+        out[a].append({"npu": k, "address": ips[kb], "peer": b, "peer_npu": kb})
+        covered[a].add(k)
+        covered[b].add(kb)
+        key = frozenset((a, b))
+        pairs[key] = pairs.get(key, 0) + 1
+
+    def free(a: str, k: int) -> list[str]:
+        return [b for b in peers[a] if k in local[b] and k not in covered[b]]
+
+    # NPU index by NPU index, a greedy matching between hosts that still need NPU k covered: each host pairs
+    # with the free peer it shares the fewest pings with (hosts with the fewest free peers choose first)
+    for k in sorted({k for h in peers for k in local[h]}):
+        todo = [a for a in peers if k in local[a] and any(local[b] for b in peers[a])]
+        for a in sorted(todo, key=lambda a: (len(free(a, k)), rank[a])):
+            if k in covered[a]:
+                continue
+            cands = free(a, k) or [b for b in peers[a] if local[b]]
+            b = min(cands, key=lambda b: (pairs.get(frozenset((a, b)), 0), rank[b]))
+            add(a, k, b, target(k, b))
+    for a in peers:
+        for b in sorted(peers[a], key=rank.__getitem__):
+            if local[a] and local[b] and not pairs.get(frozenset((a, b))):
+                k = next((x for x in local[a] if x in local[b]), local[a][0])
+                add(a, k, b, target(k, b))
     return out
+
+
+def _ping_checks(j: _Judge, reachable: list[str], pings: dict[str, list[dict]],
+                 ran: dict[str, dict[str, tuple[str, int]] | SSHError | None],
+                 device_ips: dict[str, list[str | None]]) -> None:
+    """NET-005 per reachable host, from every ping with that host at either end that its initiator ran."""
+    count: dict[str, int] = {h: 0 for h in reachable}
+    peers: dict[str, set[str]] = {h: set() for h in reachable}
+    failed: dict[str, list[str]] = {h: [] for h in reachable}
+    for a, plist in pings.items():
+        got = ran.get(a)
+        if not isinstance(got, dict):
+            continue   # the initiator is unreachable, or its pings did not run (reported on it below)
+        for n, p in enumerate(plist):
+            text, rc = got.get(f"ping-{n}", ("", 127))
+            ok = rc == 0 and ascend.parse_ping(text)[1] > 0
+            b, src = p["peer"], device_ips[a][p["npu"]]   # a planned this ping from its own known IP
+            for host, other, msg in (
+                    (a, b, f"NPU {p['npu']} -> {b} NPU {p['peer_npu']} {p['address']} unreachable"),
+                    (b, a, f"NPU {p['peer_npu']} <- {a} NPU {p['npu']} {src} unreachable")):
+                if host in count:
+                    count[host] += 1
+                    peers[host].add(other)
+                    if not ok:
+                        failed[host].append(msg)
+    for h in reachable:
+        got = ran.get(h)
+        if isinstance(got, SSHError):
+            j.add("NET-005", h, False, f"ping mesh did not run: {got}")
+        elif not count[h]:
+            j.add("NET-005", h, None, "no planned peers with known device IPs")
+        else:
+            j.add("NET-005", h, not failed[h], "; ".join(failed[h]) or
+                  f"{count[h]} device pings with {len(peers[h])} peer host(s) answered")
+
+
+def _probe_script(inv: Inventory, plan: Plan, h: Host, pings: list[dict]) -> str:
+    hw = hardware_catalogue()[h.kimi_hardware]
+    return render_template(
+        "preflight_probe.sh.j2", host=h.name, npus=range(hw.npus), device_ip_query=hw.device_ip_query,
+        health_npus=sorted({d for e in plan.engines_on(h.name) for d in e.devices}),
+        ports=sorted({port for u in plan.ports if u.host == h.name for port in range(u.first, u.last + 1)}),
+        model_dir=inv.cluster.kimi_model_dir, state_dir=h.kimi_state_dir, nic=h.kimi_nic,
+        runtime=inv.cluster.kimi_runtime, image=plan.image, pings=pings, ping_flag=hw.device_ping,
+        engine_command=(h.kimi_engine_command or "vllm").split()[0])  # the program, not its arguments
 
 
 def run_preflight(inv: Inventory, plan: Plan, *, timeout: float = 20.0, accept_new_keys: bool = False,
                   skip: set[str] | None = None) -> PreflightReport:
-    """Probe every host in parallel (one SSH connection each) and judge the results against the plan."""
+    """Probe every host in parallel (one SSH connection each) and judge the results against the plan.
+
+    With every host's device IPs in the inventory (kimi_device_ips) the ping mesh is known up front and rides
+    in the probe: one round trip per host. Otherwise the probe reads the device IPs and a second round trip
+    runs the mesh."""
     t_start = time.monotonic()
     j = _Judge(skip or set())
-    need, exact = cached_manifest_bytes(inv.cluster.name)
-    if need is None:
-        need = model_facts().total_bytes
+    need, exact = checkpoint_bytes(inv)
+    device_ips: dict[str, list[str | None]] = {h.name: list(h.kimi_device_ips) for h in inv.hosts
+                                               if h.kimi_device_ips}
+    one_trip = len(device_ips) == len(inv.hosts)
+    pings = _ping_plan(plan, device_ips) if one_trip else {}
+    scripts = {h.name: _probe_script(inv, plan, h, pings.get(h.name, [])) for h in inv.hosts}
     probes: dict[str, Probe] = {}
-    with Sessions(inv, timeout=timeout, accept_new_keys=accept_new_keys) as sessions:
+    ran: dict[str, dict[str, tuple[str, int]] | SSHError | None] = {}
+    with Sessions(inv, timeout=timeout, accept_new_keys=accept_new_keys, lazy=True) as sessions:
 
-        def phase1(name: str, s: Session) -> Probe:
-            h = inv.host(name)
-            hw = hardware_catalogue()[h.kimi_hardware]
-            script = render_template(
-                "preflight_probe.sh.j2", host=name, npus=range(hw.npus), device_ip_query=hw.device_ip_query,
-                model_dir=inv.cluster.kimi_model_dir, state_dir=h.kimi_state_dir, nic=h.kimi_nic,
-                runtime=inv.cluster.kimi_runtime, image=plan.image,
-                engine_command=(h.kimi_engine_command or "vllm").split()[0])  # the program, not its arguments
+        def probe(name: str, s: Session) -> Probe:
             t0 = time.time()
-            res = s.run("bash -s", stdin=script, timeout=timeout)
+            res = s.run("bash -c " + shlex.quote(scripts[name]), stdin="", timeout=timeout)
             return Probe(parse_sections(res.stdout), t_sent=t0, t_back=time.time())
 
-        for name, r in sessions.each(phase1).items():
+        for name, r in sessions.each(probe).items():
             if isinstance(r, SSHError):
                 j.add("SSH-001", name, False, str(r))
             else:
                 j.add("SSH-001", name, True, f"reachable ({inv.host(name).ansible_host})")
                 probes[name] = r
+                ran[name] = r.sections
 
-        device_ips: dict[str, list[str | None]] = {}
-        for name, p in probes.items():
-            h = inv.host(name)
-            hw = hardware_catalogue()[h.kimi_hardware]
-            device_ips[name] = list(h.kimi_device_ips) if h.kimi_device_ips else [
-                ascend.parse_device_ip(p.text(f"ip-{i}")) for i in range(hw.npus)]
-        pings = _ping_plan(plan, device_ips)
+        if not one_trip:
+            for name, p in probes.items():
+                if name not in device_ips:
+                    hw = hardware_catalogue()[inv.host(name).kimi_hardware]
+                    device_ips[name] = [ascend.parse_device_ip(p.text(f"ip-{i}")) for i in range(hw.npus)]
+            pings = _ping_plan(plan, device_ips)
 
-        def phase2(name: str, s: Session) -> dict[str, tuple[str, int]]:
-            if name not in probes or not pings.get(name):
-                return {}
-            hw = hardware_catalogue()[inv.host(name).kimi_hardware]
-            script = render_template("preflight_ping.sh.j2", host=name, pings=pings[name], ping_flag=hw.device_ping)
-            return parse_sections(s.run("bash -s", stdin=script, timeout=timeout).stdout)
+            def mesh(name: str, s: Session) -> dict[str, tuple[str, int]] | None:
+                if name not in probes:
+                    return None
+                if not pings.get(name):
+                    return {}
+                hw = hardware_catalogue()[inv.host(name).kimi_hardware]
+                script = render_template("preflight_ping.sh.j2", host=name, pings=pings[name], ping_flag=hw.device_ping)
+                return parse_sections(s.run("bash -c " + shlex.quote(script), stdin="", timeout=timeout).stdout)
 
-        ping_out = sessions.each(phase2)
+            ran = {name: r for name, r in sessions.each(mesh).items() if name in probes}
 
     for name, p in probes.items():
         _host_checks(j, inv, plan, inv.host(name), p, need, exact)
-        got = ping_out.get(name)
-        if isinstance(got, SSHError):
-            j.add("NET-005", name, False, f"ping mesh did not run: {got}")
-        elif not pings.get(name):
-            j.add("NET-005", name, None, "no planned peers with known device IPs")
-        else:
-            failed = []
-            for ping in pings[name]:
-                text, rc = got.get(f"ping-{ping['npu']}-{ping['address']}", ("", 127))
-                _, recv = ascend.parse_ping(text)
-                if rc != 0 or recv == 0:
-                    failed.append(f"NPU {ping['npu']} -> {ping['peer']} {ping['address']} unreachable")
-            j.add("NET-005", name, not failed,
-                  "; ".join(failed) or f"{len(pings[name])} device pings to "
-                  f"{len({x['peer'] for x in pings[name]})} peer host(s) answered")
+    _ping_checks(j, list(probes), pings, ran, device_ips)
     _cross_checks(j, inv, plan, probes)
     order = {h.name: i for i, h in enumerate(inv.hosts)}
     j.results.sort(key=lambda r: (order.get(r.host, -1), r.id))

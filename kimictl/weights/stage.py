@@ -127,7 +127,8 @@ def read_token(source: str, token_file: Path | None) -> str | None:
     return None
 
 
-def load_manifest(inv: Inventory, token: str | None, source_dir: Path | None = None, *, refresh: bool = True):
+def load_manifest(inv: Inventory, token: str | None, source_dir: Path | None = None, *, refresh: bool = True,
+                  timeout: float = 60.0):
     """The manifest: the hub's listing (cached for offline verify), or a hash of the local copy."""
     from kimictl.weights.manifest import Manifest, fetch_manifest, local_manifest
 
@@ -146,7 +147,8 @@ def load_manifest(inv: Inventory, token: str | None, source_dir: Path | None = N
                 raise
             return load_manifest(inv, token, refresh=True)
     else:
-        m = fetch_manifest(c.kimi_model_source, c.kimi_model_id, c.model_revision, c.kimi_model_endpoint, token)
+        m = fetch_manifest(c.kimi_model_source, c.kimi_model_id, c.model_revision, c.kimi_model_endpoint, token,
+                           timeout=timeout)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_suffix(".tmp")
     tmp.write_text(m.to_json())

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.sandbox
 
 
 def _preflight(sb, topology: str):
+    # RES-001 judges free disk against the exact checkpoint size: preflight reads the sandbox hub's listing
     proc = kimictl("preflight", "-i", str(sb.inventory), "--topology", topology, "--output", "json")
     assert "Traceback" not in proc.stderr
     return proc.returncode, json.loads(proc.stdout)

@@ -1,4 +1,4 @@
-"""The hccn_tool bash front answers exactly as the Python double, or hands the call to it (no root needed).
+"""The hccn_tool bash front and the npu-smi fast `info` answer exactly as the Python doubles, or hand over (no root).
 
 The front is installed twice: with `py` pointing at a sentinel that prints SLOW (to see which calls the
 front answers itself) and at the real Python double (end to end, as on a host). The reference answer is
@@ -8,6 +8,7 @@ always the Python double's own `main`.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 
 from kimictl.sandbox import layout
 from kimictl.sandbox.cluster import _install_hccn_tool
-from kimictl.sandbox.doubles import hccn_tool
+from kimictl.sandbox.doubles import hccn_tool, npu_smi
 
 FRONT = Path(hccn_tool.__file__).with_name("hccn_tool_front.sh")
 SLOW = "SLOW-PATH\n"
@@ -242,7 +243,7 @@ def test_stale_or_missing_state_goes_to_the_python_double(tmp_path, bins, monkey
     (sim / "host.json").write_text(json.dumps({**json.loads((sim / "host.json").read_text()), "npus": 4}))
     both_agree()
     hccn_tool.write_fast_state(sim)   # fewer NPUs: the files of the others go away
-    assert sorted(p.name for p in (sim / "fast").iterdir()) == ["npu0", "npu1", "npu2", "npu3"]
+    assert sorted(p.name for p in (sim / "fast").iterdir()) == ["npu-smi", "npu0", "npu1", "npu2", "npu3"]
     both_agree()   # npu5 is now out of range: an error only the double prints
     (sim / "host.json").unlink()
     both_agree()
@@ -287,3 +288,87 @@ def test_front_is_valid_bash_and_real_ping_works(tmp_path, bins, monkeypatch, ca
 
     assert shape(fast[0][1]) == shape(want[0][1])
     assert shape(fast[0][1])[-1] == "3 packets transmitted, 3 received, 0.00% packet loss"
+
+
+def test_fast_file_cut_short_goes_to_the_python_double(tmp_path, bins):
+    sim = _host(tmp_path, "atlas-800-a3", "netns", {})
+    call = [["-i", "2", "-link", "-g"]]
+    assert front_calls(bins["fast"], sim, call, "/usr/bin:/bin") == [(0, "link status: UP\n")]
+    f = sim / "fast" / "npu2"
+    assert f.read_bytes().endswith(b"\0end=1\0")
+    f.write_bytes(f.read_bytes()[: -len(b"end=1\0")])
+    assert front_calls(bins["fast"], sim, call, "/usr/bin:/bin") == [(SLOW_RC, SLOW)]
+
+
+# npu-smi: `info` is answered from fast/npu-smi (rendered next to hccn_tool's files) while it is still true
+
+def _npu_smi(sim: Path, *args: str) -> tuple[int, str]:
+    proc = subprocess.run(["python3", str(Path(npu_smi.__file__)), *args], capture_output=True, text=True,
+                          env={"KIMI_SIM_DIR": str(sim), "PATH": "/usr/bin:/bin"}, check=False)
+    return proc.returncode, proc.stdout
+
+
+def _npu_smi_reference(monkeypatch, capsys, sim: Path, *args: str) -> tuple[int, str]:
+    """The Python double's own answer, with the fast path off."""
+    monkeypatch.setenv("KIMI_SIM_DIR", str(sim))
+    with monkeypatch.context() as m:
+        m.setattr(npu_smi, "fast_info", lambda: None)
+        capsys.readouterr()
+        rc = npu_smi.main(list(args))
+        return rc, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_npu_smi_fast_info_matches_the_python_double(case, tmp_path, monkeypatch, capsys):
+    hardware, mode, faults = CASES[case]
+    sim = _host(tmp_path, hardware, mode, faults)
+    (sim / "claims").mkdir()
+    assert (sim / "fast" / "npu-smi").exists()
+    want = _npu_smi_reference(monkeypatch, capsys, sim, "info")
+    monkeypatch.undo()
+    assert npu_smi.fast_info() is None   # KIMI_SIM_DIR is not this sim here
+    monkeypatch.setenv("KIMI_SIM_DIR", str(sim))
+    assert npu_smi.fast_info() == want[1] and want[0] == 0
+    assert _npu_smi(sim, "info") == want
+    if faults.get("npu_unhealthy"):
+        assert "Critical" in want[1]
+
+
+def test_npu_smi_fast_info_only_while_true(tmp_path, monkeypatch, capsys):
+    sim = _host(tmp_path, "atlas-800-a3", "netns", {})
+    (sim / "claims").mkdir()
+    monkeypatch.setenv("KIMI_SIM_DIR", str(sim))
+    assert npu_smi.fast_info() is not None
+    # faults.json changed behind the sandbox's back
+    (sim / "faults.json").write_text('{"npu_unhealthy": [3]}\n')
+    assert npu_smi.fast_info() is None
+    assert "Critical" in _npu_smi(sim, "info")[1]
+    hccn_tool.write_fast_state(sim)
+    assert "Critical" in npu_smi.fast_info()
+    # a claimed NPU shows in the table: the double answers (a live claim, this test's own pid)
+    (sim / "claims" / "npu4").write_text(f"{os.getpid()}\n")
+    assert npu_smi.fast_info() is None
+    assert _npu_smi(sim, "info") == _npu_smi_reference(monkeypatch, capsys, sim, "info")
+    assert "No running processes found in NPU 2" not in _npu_smi(sim, "info")[1]
+    (sim / "claims" / "npu4").unlink()
+    assert npu_smi.fast_info() is not None
+    # other commands never use it
+    assert _npu_smi(sim, "info", "-t", "health", "-i", "1", "-c", "1")[1].count("Critical") == 1
+    # host.json changed, a NUL byte, a missing file, a file cut short: no fast answer
+    good = (sim / "host.json").read_bytes()
+    (sim / "host.json").write_bytes(good.replace(b'"hbm_mb": 65536', b'"hbm_mb": 32768'))
+    assert npu_smi.fast_info() is None and "32768" in _npu_smi(sim, "info")[1]
+    (sim / "host.json").write_bytes(good + b"\0")
+    assert npu_smi.fast_info() is None
+    (sim / "host.json").write_bytes(good)
+    assert npu_smi.fast_info() is not None
+    fast = sim / "fast" / "npu-smi"
+    fast.write_bytes(fast.read_bytes()[: -len(b"end=1\0")])
+    assert npu_smi.fast_info() is None
+    fast.unlink()
+    assert npu_smi.fast_info() is None
+    # nothing to pre-render (no host.json): no file, and the double's own error
+    (sim / "host.json").unlink()
+    hccn_tool.write_fast_state(sim)
+    assert not fast.exists()
+    assert _npu_smi(sim, "info")[0] != 0

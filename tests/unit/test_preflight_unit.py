@@ -1,12 +1,20 @@
-"""Preflight pieces that need no hosts: section framing, ping-mesh planning, SSH option parsing."""
+"""Preflight pieces that need no hosts: section framing, ping-mesh planning, SSH options, the probe script."""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import socket
+import subprocess
 from pathlib import Path
+
+import pytest
 
 from kimictl.inventory import load_inventory
 from kimictl.plan import make_plan
-from kimictl.preflight import _ping_plan, parse_sections
+from kimictl.preflight import _ping_plan, _planned_peers, parse_sections
+from kimictl.render import render_template
 from kimictl.ssh import _common_args, target_for
 from kimictl.topology import load_topology
 
@@ -18,16 +26,62 @@ def test_parse_sections_keeps_output_and_rc() -> None:
     assert parse_sections(out) == {"a": ("line1\nline2\n", 0), "b": ("", 3)}
 
 
-def test_ping_plan_covers_every_peer_and_npu() -> None:
+def _a3_inventory(tmp_path: Path, n: int) -> Path:
+    hosts = "\n".join(f"    h{i:02d}: {{ansible_host: 10.0.0.{i}, kimi_hardware: atlas-800-a3}}"
+                      for i in range(1, n + 1))
+    (tmp_path / "inv.yml").write_text(
+        "all:\n  vars:\n    kimi_cluster: c\n    kimi_model_dir: /m\n    kimi_nic: eth0\n  hosts:\n" + hosts + "\n")
+    return tmp_path / "inv.yml"
+
+
+def _check_mesh(plan, ips: dict[str, list[str]], pings: dict[str, list[dict]]) -> None:
+    peers = _planned_peers(plan)
+    covered = {h: set() for h in peers}
+    pairs = set()
+    for host, plist in pings.items():
+        for p in plist:
+            assert p["peer"] in peers[host] and p["address"] == ips[p["peer"]][p["peer_npu"]]
+            assert p["npu"] == p["peer_npu"]                    # NPU k <-> NPU k on same-size hosts
+            covered[host].add(p["npu"])
+            covered[p["peer"]].add(p["peer_npu"])
+            pairs.add(frozenset((host, p["peer"])))
+    for host, ps in peers.items():
+        if ps:
+            assert covered[host] == set(range(len(ips[host]))), host     # every NPU is in some ping
+        assert all(frozenset((host, b)) in pairs for b in ps), host      # every planned pair is tested
+    # an NPU pair is pinged from one end only (the echo tests the path both ways)
+    ends = [frozenset(((h, p["npu"]), (p["peer"], p["peer_npu"]))) for h, pl in pings.items() for p in pl]
+    assert len(ends) == len(set(ends))
+
+
+def test_ping_plan_covers_every_npu_and_planned_pair() -> None:
     plan = make_plan(load_inventory(ROOT / "inventories/a2-pd.yml"), load_topology("a2-pd"))
     ips = {h: [f"10.9.{n}.{i}" for i in range(8)] for n, h in enumerate(plan.host_roles)}
     pings = _ping_plan(plan, ips)
+    _check_mesh(plan, ips, pings)
     # a2-node-01 shares prefill-0 with a2-node-02 and pairs with both decode hosts.
-    assert {p["peer"] for p in pings["a2-node-01"]} == {"a2-node-02", "a2-node-03", "a2-node-04"}
-    assert sorted(p["npu"] for p in pings["a2-node-01"]) == list(range(8))
-    for host, plist in pings.items():
-        for p in plist:
-            assert p["address"] == ips[p["peer"]][p["npu"]] and p["peer"] != host
+    assert _planned_peers(plan)["a2-node-01"] == {"a2-node-02", "a2-node-03", "a2-node-04"}
+
+
+@pytest.mark.parametrize("n", [2, 8, 16])
+def test_ping_plan_work_per_host_does_not_grow_with_the_cluster(tmp_path: Path, n: int) -> None:
+    plan = make_plan(load_inventory(_a3_inventory(tmp_path, n)), load_topology("a3-pd"))
+    ips = {h: [f"10.{n}.{i}.{d}" for d in range(16)] for i, h in enumerate(plan.host_roles)}
+    pings = _ping_plan(plan, ips)
+    _check_mesh(plan, ips, pings)
+    # 16 NPUs a host, two NPUs per ping: 8 pings a host at any size, spread evenly
+    assert sum(len(p) for p in pings.values()) == 8 * n
+    assert {len(p) for p in pings.values()} == {8}
+
+
+def test_ping_plan_skips_npus_without_ips() -> None:
+    plan = make_plan(load_inventory(ROOT / "inventories/a2-pd.yml"), load_topology("a2-pd"))
+    ips = {h: [f"10.9.{n}.{i}" if i != 3 else None for i in range(8)] for n, h in enumerate(plan.host_roles)}
+    ips["a2-node-04"] = []
+    pings = _ping_plan(plan, ips)
+    assert pings["a2-node-04"] == []
+    assert all(p["peer"] != "a2-node-04" and 3 not in (p["npu"], p["peer_npu"]) for pl in pings.values() for p in pl)
+    assert {p["peer"] for pl in pings.values() for p in pl} == {"a2-node-01", "a2-node-02", "a2-node-03"}
 
 
 def test_ping_plan_skips_hosts_without_peers() -> None:
@@ -45,3 +99,118 @@ def test_ssh_options_from_ansible_args(tmp_path: Path) -> None:
     (tmp_path / "i.yml").write_text(inv_text)
     t = target_for(load_inventory(tmp_path / "i.yml").hosts[0])
     assert (t.port, t.user, t.strict) == (2222, "ops", False)
+
+
+# The probe script itself, run here against stand-ins for the Ascend tools: the builtin replacements for
+# cat/ls/grep/command -v must frame the same sections, and a planned port that listens must bring in ss and ps.
+STUB_HCCN = """#!/bin/sh
+case "$*" in
+  *"address 10.9.9.9") echo "3 packets transmitted, 0 received, 100.00% packet loss"; exit 1 ;;
+  *address*) echo "3 packets transmitted, 3 received, 0.00% packet loss" ;;
+  *-link*) echo "link status: UP" ;;
+  *) echo "hccn_tool $*" ;;
+esac
+"""
+
+
+TOOL_DIRS = "/usr/local/bin:/usr/local/sbin:/usr/local/Ascend/driver/tools"   # first on the probe's PATH
+
+
+SMI_IDLE = "npu-smi stand-in\n| NPU Chip | Process id | Process name |\n| No running processes found in NPU 0 |"
+SMI_BUSY = "npu-smi stand-in\n| NPU Chip | Process id | Process name |\n| 0       0 | 4242 | python3 |"
+
+
+def _probe_run(tmp_path: Path, smi: str = SMI_IDLE, **over) -> dict[str, tuple[str, int]]:
+    if any(shutil.which(t, path=TOOL_DIRS) for t in ("npu-smi", "hccn_tool")):
+        pytest.skip("real Ascend tools on this machine would shadow the stand-ins")
+    bins = tmp_path / "bin"
+    bins.mkdir(parents=True)
+    (bins / "hccn_tool").write_text(STUB_HCCN)
+    (bins / "npu-smi").write_text(f"#!/bin/sh\ncat <<'EOF'\n{smi}\nEOF\n")
+    for f in bins.iterdir():
+        f.chmod(0o755)
+    model = tmp_path / "models" / "m"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model-00001.safetensors").write_bytes(b"x" * 1000)
+    (tmp_path / "state" / "run").mkdir(parents=True)
+    (tmp_path / "state" / "run" / "a.json").write_text('{"child_pid": 1}\n')
+    ctx = dict(host="h1", npus=range(3), health_npus=[1], device_ip_query="-ip", model_dir=str(model),
+               state_dir=str(tmp_path / "state"), nic="lo", runtime="host", image="img", ports=[1],
+               engine_command="sh", pings=[{"npu": 0, "address": "10.9.9.8"}, {"npu": 2, "address": "10.9.9.9"}],
+               ping_flag="-ping")
+    ctx.update(over)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        if over.get("ports") == "listening":
+            ctx["ports"] = [s.getsockname()[1]]
+        script = render_template("preflight_probe.sh.j2", **ctx)
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=False,
+                             env={"PATH": f"{bins}:/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    return parse_sections(out.stdout)
+
+
+def test_probe_script_frames_every_section(tmp_path: Path) -> None:
+    sec = _probe_run(tmp_path)
+    assert float(sec["time"][0]) > 1e9
+    assert sec["npu-smi"] == (SMI_IDLE, 0)
+    assert [k for k in sec if k.startswith(("link-", "health-"))] == ["link-1", "health-1"]   # planned NPUs only
+    assert sec["link-1"] == ("link status: UP", 0) and sec["ip-2"] == ("hccn_tool -i 2 -ip -g", 0)
+    assert sorted(k for k in sec if k.startswith(("tls-", "ip-"))) == [f"{q}-{i}" for q in ("ip", "tls")
+                                                                        for i in range(3)]
+    assert sec["driver"][1] == 1 and sec["complete"][1] == 1          # no such files here
+    du, *names = sec["model"][0].splitlines()
+    assert sec["model"][1] == 0 and int(du.split()[0]) >= 1000 and names == ["config.json", "model-00001.safetensors"]
+    assert sec["df"][1] == 0 and sec["df"][0].splitlines()[0].startswith("Filesystem")
+    assert "MemTotal:" in sec["meminfo"][0] and sec["meminfo"][0].count("\n") == 2
+    assert sec["supervised"] == ('{"child_pid": 1}\n', 0)
+    assert sec["engine"] == (shutil.which("sh", path=TOOL_DIRS + ":/usr/sbin:/usr/bin:/sbin:/bin"), 0)
+    assert sec["listen"] == ("", 0) and sec["ps"] == ("", 0)         # no planned port listens, no NPU process
+    assert sec["ping-0"][1] == 0 and "3 received" in sec["ping-0"][0]
+    assert sec["ping-1"][1] == 1 and "0 received" in sec["ping-1"][0]
+
+
+def test_probe_script_names_owners_only_when_needed(tmp_path: Path) -> None:
+    sec = _probe_run(tmp_path, ports="listening", engine_command="/nonexistent/vllm", pings=[])
+    assert sec["listen"][1] == 0 and "LISTEN" in sec["listen"][0] and "127.0.0.1:" in sec["listen"][0]
+    assert sec["ps"][1] == 0 and str(os.getpid()) in sec["ps"][0].split()
+    assert sec["engine"] == ("", 1) and not [k for k in sec if k.startswith("ping-")]
+    # a process on an NPU: ps names its group (HW-005), ss is still not needed
+    sec = _probe_run(tmp_path / "busy", smi=SMI_BUSY)
+    assert sec["npu-smi"] == (SMI_BUSY, 0) and sec["listen"] == ("", 0)
+    assert sec["ps"][1] == 0 and str(os.getpid()) in sec["ps"][0].split()
+
+
+
+def test_ssh_prefers_aes_gcm_and_keeps_every_other_cipher() -> None:
+    import paramiko
+
+    from kimictl.ssh import PREFERRED_CIPHERS, _transport
+
+    a, b = socket.socketpair()
+    with a, b:
+        t = _transport(a)
+        got = t.get_security_options().ciphers
+        assert got[:2] == PREFERRED_CIPHERS and sorted(got) == sorted(paramiko.Transport._preferred_ciphers)
+        t.close()
+
+
+def test_lazy_sessions_connect_in_each_and_keep_the_error(tmp_path: Path) -> None:
+    from kimictl.ssh import Sessions, SSHError
+
+    with socket.socket() as s:   # a port nobody listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        inv_text = (ROOT / "inventories/a3-colocated.yml").read_text().replace(
+            "kimi_hardware: atlas-800-a3}", f"kimi_hardware: atlas-800-a3, ansible_port: {port}}}")
+        inv_text = re.sub(r"ansible_host: [0-9.]+", "ansible_host: 127.0.0.1", inv_text)
+        (tmp_path / "i.yml").write_text(inv_text)
+        inv = load_inventory(tmp_path / "i.yml")
+        with Sessions(inv, timeout=2, lazy=True) as sessions:
+            assert sessions.errors() == {}   # nothing tried yet
+            got = sessions.each(lambda name, sess: "ran")
+    (name,) = got
+    assert isinstance(got[name], SSHError) and "cannot reach 127.0.0.1" in str(got[name])
+    assert sessions.errors() == {name: got[name]}

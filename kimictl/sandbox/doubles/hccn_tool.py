@@ -16,7 +16,7 @@ SIM_DIR_DEFAULT = "/var/lib/kimi-sim"
 PING_REPLY = re.compile(r"icmp_seq=(\d+).*time=([0-9.]+) ms")
 # fast state (see write_fast_state): queries answered from a file, ping commands the front runs itself
 FAST_DIR = "fast"
-FAST_VERSION = "1"
+FAST_VERSION = "2"
 FAST_QUERIES = ("-ip", "-vnic", "-link", "-net_health", "-tls", "-netdetect", "-gateway", "-status", "-speed",
                 "-lldp")
 FAST_PINGS = ("-ping", "-hccs_ping")
@@ -210,7 +210,8 @@ def fast_state(host_raw, faults_raw):
     answers were rendered from: the front uses the file only while both files still hold them), `q<cmd>`
     (`<exit code>:<stdout>` of `hccn_tool -i N <cmd> -g`), and, when the front may run pings itself,
     `p<cmd>` for each ping command that reaches `ping`, `src`, `down` (1: link-down) and `cut`
-    (`net mask` integer pairs of cut_routes). Queries whose answer cannot be rendered exactly are left out.
+    (`net mask` integer pairs of cut_routes), and last `end`. Queries whose answer cannot be rendered exactly are
+    left out.
     """
     if not (host_raw.isascii() and faults_raw.isascii()) or b"\0" in host_raw + faults_raw:
         return {}   # the double reads text in the locale's encoding, the front compares bytes: keep to ASCII
@@ -247,6 +248,7 @@ def fast_state(host_raw, faults_raw):
             recs += [("p" + cmd, b"1") for cmd in pings]
             recs += [("src", src.encode()), ("down", b"1" if down else b"0"),
                      ("cut", " ".join(f"{n} {m}" for n, m in cut).encode())]
+        recs.append(("end", b"1"))   # last: the front uses only a file that is complete
         files[dev] = b"".join(k.encode() + b"=" + v + b"\0" for k, v in recs)
     return files
 
@@ -288,6 +290,18 @@ def write_fast_state(sim):
     for name in os.listdir(fast):
         if name.startswith("npu") and name[3:].isdigit() and int(name[3:]) not in files:
             os.unlink(os.path.join(fast, name))
+    _npu_smi().write_fast_state(sim)   # the same moment is right for npu-smi's pre-rendered `info`
+
+
+def _npu_smi():
+    """The npu-smi double next to this file (the sandbox calls write_fast_state from kimictl, not on hosts)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "npu_smi.py")
+    spec = importlib.util.spec_from_file_location("_kimictl_npu_smi_double", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def front_script(python_double):

@@ -1,11 +1,19 @@
 #!/usr/bin/python3 -IS
-"""Test double of Huawei `npu-smi`: reads the sandbox host state in $KIMI_SIM_DIR (stdlib only)."""
+"""Test double of Huawei `npu-smi`: reads the sandbox host state in $KIMI_SIM_DIR (stdlib only).
 
-import json
+A real npu-smi is a native binary; this one is a Python start-up. `npu-smi info` (what preflight and status
+call on every host) is answered first from `$KIMI_SIM_DIR/fast/npu-smi` when it can be: a file the sandbox
+renders with this module's own `info_table` (`write_fast_state`, called next to hccn_tool's), holding the exact
+host.json/faults.json bytes it was rendered from. It is used only while both files still hold those bytes and
+no NPU is claimed (claims change the table), and before `json` (and the `re` it pulls in) is even imported.
+"""
+
 import os
 import sys
 
 SIM_DIR_DEFAULT = "/var/lib/kimi-sim"
+FAST_FILE = "npu-smi"        # in $KIMI_SIM_DIR/fast
+FAST_VERSION = b"1"
 WIDE = "+" + "-" * 96 + "+"
 THIN = "+" + "-" * 27 + "+" + "-" * 15 + "+" + "-" * 52 + "+"
 THICK = "+" + "=" * 27 + "+" + "=" * 15 + "+" + "=" * 52 + "+"
@@ -22,6 +30,8 @@ def sim_dir():
 
 
 def load_json(name, default):
+    import json
+
     try:
         with open(os.path.join(sim_dir(), name)) as f:
             return json.load(f)
@@ -111,9 +121,9 @@ def wide_row(text):
     return "|" + cell(text, 96) + "|"
 
 
-def info_table(host, faults):
+def info_table(host, faults, claims=None):
     a3 = host["chips_per_npu"] > 1
-    claims = live_claims(host)
+    claims = live_claims(host) if claims is None else claims
     ver = host.get("npu_smi_version", "25.2.1")
     out = [WIDE, wide_row(f"npu-smi {ver}".ljust(33) + f"Version: {ver}"), THIN,
            row("NPU   Name", "Health", "Power(W)    Temp(C)           Hugepages-Usage(page)"),
@@ -286,8 +296,82 @@ def parse_opts(args):
     return opts
 
 
+def _read_raw(path):
+    """A file's bytes; b"" when it is missing (which the double reads as absent, like an empty file)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return b""
+
+
+def fast_state(host_raw, faults_raw):
+    """The fast/npu-smi bytes for these host.json/faults.json bytes, or None when `info` cannot be pre-rendered.
+
+    NUL-terminated records: `v`, `host` and `faults` (the exact bytes), `info` (the stdout of `npu-smi info`
+    with no NPU claimed), and last `end`."""
+    if b"\0" in host_raw + faults_raw or not (host_raw.isascii() and faults_raw.isascii()):
+        return None
+    import json
+
+    try:
+        host = json.loads(host_raw.decode())
+        faults = json.loads(faults_raw.decode()) if faults_raw.strip() else {}
+        text = info_table(host, faults, claims={}) + "\n"
+    except Exception:   # anything odd: no fast answer, the double decides every call
+        return None
+    if not text.isascii() or "\0" in text:
+        return None
+    recs = [(b"v", FAST_VERSION), (b"host", host_raw), (b"faults", faults_raw), (b"info", text.encode()),
+            (b"end", b"1")]
+    return b"".join(k + b"=" + v + b"\0" for k, v in recs)
+
+
+def write_fast_state(sim):
+    """Render `sim`/fast/npu-smi from the host.json and faults.json now in sim (replaced atomically; removed when
+    nothing can be pre-rendered)."""
+    sim = str(sim)
+    data = fast_state(_read_raw(os.path.join(sim, "host.json")), _read_raw(os.path.join(sim, "faults.json")))
+    fast = os.path.join(sim, "fast")
+    path = os.path.join(fast, FAST_FILE)
+    if data is None:
+        if os.path.exists(path):
+            os.unlink(path)
+        return
+    os.makedirs(fast, exist_ok=True)
+    tmp = os.path.join(fast, f".{FAST_FILE}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def fast_info():
+    """The pre-rendered `npu-smi info` stdout, or None when it may not be what the double would print now."""
+    sim = sim_dir()
+    try:
+        with open(os.path.join(sim, "fast", FAST_FILE), "rb") as f:
+            recs = f.read().split(b"\0")
+        if os.listdir(os.path.join(sim, "claims")):
+            return None   # claimed NPUs show in the table
+    except OSError:
+        return None
+    # v, host, faults, info, end, and the empty tail after the last NUL
+    if len(recs) != 6 or recs[5] or recs[4] != b"end=1" or recs[0] != b"v=" + FAST_VERSION:
+        return None
+    if recs[1] != b"host=" + _read_raw(os.path.join(sim, "host.json")) or not recs[1][5:]:
+        return None
+    if recs[2] != b"faults=" + _read_raw(os.path.join(sim, "faults.json")):
+        return None
+    return recs[3][5:].decode() if recs[3].startswith(b"info=") else None
+
+
 def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
+    if args == ["info"]:
+        text = fast_info()
+        if text is not None:
+            sys.stdout.write(text)
+            return 0
     try:
         if not args or args[0] != "info":
             raise UsageError("Usage: npu-smi info [-l | -m | -t <type> -i <id> [-c <chip_id>]]")
