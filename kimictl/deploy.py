@@ -15,7 +15,7 @@ from typing import Any
 from kimictl import health
 from kimictl.ansible import build_run_spec, close_control_masters, run_playbook
 from kimictl.errors import HostError, KimictlError
-from kimictl.facts import model_facts
+from kimictl.facts import engine_profile
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import Rendered, write_rendered
@@ -212,8 +212,10 @@ class EngineOps:
         if self.opts.ready_timeout:
             return self.opts.ready_timeout
         size, _ = cached_manifest_bytes(self.cluster)
-        # Real K2.5 loads take ~10 min; size the wait to the checkpoint (>= 0.5 GiB/s) plus start-up.
-        return 180.0 + (size or model_facts().total_bytes) / (0.5 * 2**30)
+        prof = engine_profile(self.inv.cluster.kimi_engine_profile)
+        # Real K2.5 loads take ~10 min; size the wait to the checkpoint (>= 0.5 GiB/s) plus start-up, and never
+        # below the profile's floor (a CPU engine's start-up is imports and compilation, not bytes).
+        return max(prof.min_ready_timeout_s, 180.0 + (size or prof.facts().total_bytes) / (0.5 * 2**30))
 
     def _supervisor_states(self, hosts: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
         sub = self.inv.limited(hosts)

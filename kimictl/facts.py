@@ -187,6 +187,34 @@ class VersionProfile(Strict):
         return f"{self.image_repo}:{self.image_tag}{hw.image_suffix}"
 
 
+class KvTransfer(Strict):
+    """The P/D connector of a non-Ascend engine profile ({cluster} in extra_config values is kimi_cluster)."""
+
+    kv_connector: str
+    kv_connector_module_path: str | None = None
+    extra_config: dict[str, Any] = Field(default_factory=dict)
+
+
+class EngineProfile(Strict):
+    """What engine runs and how it is spelled (data/engines/*.yml); `ascend` is production."""
+
+    name: str
+    description: str
+    command: str                 # default engine command; kimi_engine_command replaces it
+    serve_args: list[str]        # after the command, before kimictl's flags; "{model_dir}" is kimi_model_dir
+    ascend: bool                 # Ascend env, version env/env_prepend, switches and additional-config apply
+    runtime: Literal["container", "host"] | None = None  # required kimi_runtime, if any
+    model: str | None = None     # models/<model>.yml instead of model.yml (Kimi K2.5 W4A8)
+    serve: dict[str, Any] = Field(default_factory=dict)             # overlaid on the topology's serve flags
+    drop_serve: dict[str, list[Any]] = Field(default_factory=dict)  # flag: values removed (with a warning)
+    env: dict[str, str] = Field(default_factory=dict)               # replaces the version profile's env
+    kv_transfer: KvTransfer | None = None  # None: the version profile's connector (MooncakeConnectorV1)
+    min_ready_timeout_s: float = 0.0       # floor for deploy's readiness wait (start-up dominated by imports)
+
+    def facts(self) -> ModelFacts:
+        return model_facts(self.model)
+
+
 class SwitchRule(Strict):
     why: str
     roles: list[Literal["prefill", "decode", "colocated"]]
@@ -207,8 +235,9 @@ def hardware_catalogue() -> dict[str, Hardware]:
 
 
 @functools.cache
-def model_facts() -> ModelFacts:
-    return ModelFacts(**_load(DATA_DIR / "model.yml"))
+def model_facts(name: str | None = None) -> ModelFacts:
+    """Kimi K2.5 W4A8 (model.yml), or another model's facts from models/<name>.yml (engine profiles)."""
+    return ModelFacts(**_load(DATA_DIR / "model.yml" if name is None else DATA_DIR / "models" / f"{name}.yml"))
 
 
 @functools.cache
@@ -248,3 +277,19 @@ def version_profile(version: str | None) -> VersionProfile:
         f"kimi_vllm_ascend_version: unsupported vllm-ascend version '{version}'; "
         f"supported: {', '.join(sorted(profiles, key=_version_key))}"
     )
+
+
+@functools.cache
+def engine_profiles() -> dict[str, EngineProfile]:
+    profiles = [EngineProfile(**_load(p)) for p in sorted((DATA_DIR / "engines").glob("*.yml"))]
+    return {p.name: p for p in profiles}
+
+
+def engine_profile(name: str | None) -> EngineProfile:
+    """The engine profile named by kimi_engine_profile (default ascend)."""
+    profiles = engine_profiles()
+    try:
+        return profiles[name or "ascend"]
+    except KeyError:
+        raise InvalidInput(f"kimi_engine_profile: unknown engine profile '{name}'; "
+                           f"known: {', '.join(sorted(profiles))}") from None

@@ -129,7 +129,8 @@ KEYS: dict[str, Key] = {
     "kimi_draft_model_dir": Key("cluster", "eagle3 draft checkpoint path; setting it enables speculative decoding"),
     "kimi_media_dir": Key("cluster", "directory engines may read local media from (--allowed-local-media-path)"),
     "kimi_python": Key("cluster", "python3 on the hosts that has modelscope/huggingface_hub, for weights pulls"),
-    "kimi_engine_profile": Key("cluster", "engine profile: ascend (default)"),
+    "kimi_engine_profile": Key("cluster", "engine profile: ascend (default) or cpu-smoke (vLLM CPU build, tiny "
+                                          "checkpoint; the sandbox's real-engine lane)"),
     "kimi_nic": Key("both", "NIC for HCCL/GLOO/TP sockets (required on every host, directly or via all.vars)"),
     "kimi_state_dir": Key("both", "kimictl state directory on the host, default /var/lib/kimi"),
     "kimi_engine_command": Key("both", "engine command replacing `vllm` (e.g. a simulator), default vllm"),
@@ -158,7 +159,7 @@ class ClusterSettings(BaseModel):
     kimi_draft_model_dir: AbsPath | None = None
     kimi_media_dir: MediaDir = "/var/lib/kimi/media"
     kimi_python: Command = "python3"
-    kimi_engine_profile: Literal["ascend"] = "ascend"
+    kimi_engine_profile: Literal["ascend", "cpu-smoke"] = "ascend"  # kimictl/data/engines/<name>.yml
 
     @property
     def name(self) -> str:

@@ -14,8 +14,11 @@ from kimictl.facts import (
     MIB,
     REPLICATED_PARTS,
     TP_PARTS,
+    EngineProfile,
     Hardware,
+    ModelFacts,
     VersionProfile,
+    engine_profile,
     model_facts,
     switch_rules,
     version_profile,
@@ -138,6 +141,7 @@ class Plan(_Model):
     runtime: str
     model_dir: str
     served_model_name: str
+    engine_profile: str = "ascend"
     host_roles: dict[str, str]
     instances: list[Instance]
     engines: list[Engine]
@@ -159,9 +163,9 @@ class Plan(_Model):
 
 
 def memory_fit(role: str, hw: Hardware, dp: int, tp: int, serve: dict[str, Any], env: dict[str, str],
-               with_draft: bool) -> MemoryFit:
-    """Estimate per-NPU bytes for weights, reserve and KV cache; label: estimate."""
-    m = model_facts()
+               with_draft: bool, m: ModelFacts | None = None) -> MemoryFit:
+    """Estimate per-NPU bytes for weights, reserve and KV cache of model m (default Kimi K2.5); label: estimate."""
+    m = m or model_facts()
     ep = dp * tp if serve.get("enable-expert-parallel") else 1
     expert_div = ep if ep > 1 else tp
     parts = m.parts
@@ -271,11 +275,13 @@ def _host_count_error(inv: Inventory, topo: Topology, hw: Hardware, pinned: dict
     minimum = sum(r.nodes for r in topo.roles.values())
     if len(inv.hosts) < minimum:
         # Show why the instances cannot simply shrink onto fewer hosts: the per-NPU numbers on one host.
+        facts = engine_profile(inv.cluster.kimi_engine_profile).facts()
         for role, spec in topo.roles.items():
             if spec.nodes <= 1:
                 continue
             dp1 = max(1, hw.npus // spec.tp)
-            fit = memory_fit(role, hw, dp1, spec.tp, topo.role_serve(role), {**topo.env, **spec.env}, False)
+            fit = memory_fit(role, hw, dp1, spec.tp, topo.role_serve(role), {**topo.env, **spec.env}, False,
+                             facts)
             details.append(
                 f"{role} on one {hw.name} host (DP{dp1}xTP{spec.tp}, EP{fit.ep}) would need "
                 f"{fit.weights_total_gib:.1f} GiB of weights per NPU (routed experts "
@@ -338,9 +344,9 @@ def _json_scalar(v: Any) -> str:
 
 
 def _role_config(topo: Topology, role: str, hw: Hardware, ver: VersionProfile, ep: int,
-                 decisions: list[SwitchDecision], warnings: list[str]) -> RoleConfig:
+                 decisions: list[SwitchDecision], warnings: list[str], prof: EngineProfile) -> RoleConfig:
     spec = topo.roles[role]  # type: ignore[index]
-    env = dict(ver.env)
+    env = dict(ver.env) if prof.ascend else dict(prof.env)
     env.update(topo.env)
     env.update(spec.env)
     for key in [*topo.env, *spec.env]:
@@ -348,15 +354,40 @@ def _role_config(topo: Topology, role: str, hw: Hardware, ver: VersionProfile, e
             raise PlanError(f"role {role}: env {key} is not valid for vllm-ascend {ver.version}: "
                             f"{ver.removed_env[key]}")
     serve = topo.role_serve(role)
+    for flag, values in prof.drop_serve.items():
+        if flag in serve and serve[flag] in values:
+            warnings.append(f"{role}: --{flag} {serve.pop(flag)} not rendered (engine profile {prof.name}: "
+                            "vLLM-Ascend only)")
+    serve = {k: v for k, v in {**serve, **prof.serve}.items() if v is not False}
     extra = dict(serve.pop("additional-config", None) or {})
     for key in extra:
         if key in ver.removed_additional_config:
             raise PlanError(f"role {role}: additional-config key {key} is not valid for vllm-ascend "
                             f"{ver.version}: {ver.removed_additional_config[key]}")
-    _resolve_switches(topo, role, hw, ep, spec.tp, ver, env, extra, decisions, warnings)
+    if prof.ascend:
+        _resolve_switches(topo, role, hw, ep, spec.tp, ver, env, extra, decisions, warnings)
+    else:
+        _skip_ascend_only(role, spec.switches, extra, prof, decisions, warnings)
+        extra = {}
     if role == "prefill" and serve.get("max-num-seqs") and "enforce-eager" not in serve:
         warnings.append("prefill: no --enforce-eager; every vllm-ascend P/D guide runs prefill eager")
-    return RoleConfig(env=env, env_prepend=dict(ver.env_prepend), additional_config=extra, serve=serve)
+    return RoleConfig(env=env, env_prepend=dict(ver.env_prepend) if prof.ascend else {}, additional_config=extra,
+                      serve=serve)
+
+
+def _skip_ascend_only(role: str, switches: dict[str, bool], extra: dict[str, Any], prof: EngineProfile,
+                      decisions: list[SwitchDecision], warnings: list[str]) -> None:
+    """A non-Ascend engine profile renders no switches and no --additional-config; say so, per role."""
+    rules = switch_rules()
+    note = f"engine profile {prof.name} runs no vLLM-Ascend"
+    for name, wanted in switches.items():
+        decisions.append(SwitchDecision(role=role, switch=name, state="skipped" if wanted else "off", spelled="",
+                                        why=rules[name].why, note=note))
+    on = [n for n, wanted in switches.items() if wanted]
+    if on:
+        warnings.append(f"{role}: switches {', '.join(on)} not rendered ({note})")
+    if extra:
+        warnings.append(f"{role}: additional-config {', '.join(sorted(extra))} not rendered ({note})")
 
 
 # --- the planner -----------------------------------------------------------------------------------------
@@ -379,6 +410,12 @@ class _Ports:
 def make_plan(inv: Inventory, topo: Topology) -> Plan:
     """Compile inventory + topology into a plan; raise PlanError (exit 2) when it cannot work."""
     ver = version_profile(inv.cluster.kimi_vllm_ascend_version)
+    prof = engine_profile(inv.cluster.kimi_engine_profile)
+    if prof.runtime and inv.cluster.kimi_runtime != prof.runtime:
+        raise PlanError(f"engine profile {prof.name} needs kimi_runtime: {prof.runtime} "
+                        f"(the inventory says {inv.cluster.kimi_runtime})", hint=f"set kimi_runtime: {prof.runtime} "
+                        "under all.vars, or use kimi_engine_profile: ascend")
+    facts = prof.facts()
     hw = _hardware_of(inv, topo)
     warnings: list[str] = []
     decisions: list[SwitchDecision] = []
@@ -387,11 +424,13 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
     # Per-role shape checks and HBM fit.
     fits: dict[str, MemoryFit] = {}
     role_cfg: dict[str, RoleConfig] = {}
-    heads = model_facts().text.num_attention_heads
+    heads = facts.text.num_attention_heads
     for role, spec in topo.roles.items():
         if heads % spec.tp:
+            ok = [str(t) for t in (1, 2, 4, 8, 16) if heads % t == 0]
+            choices = ok[0] if len(ok) == 1 else f"{', '.join(ok[:-1])} or {ok[-1]}"
             raise PlanError(f"role {role}: TP {spec.tp} does not divide the model's {heads} attention heads "
-                            "(vLLM refuses to start); use TP 1, 2, 4, 8 or 16")
+                            f"(vLLM refuses to start); use TP {choices}")
         if spec.dp % spec.nodes:
             raise PlanError(f"role {role}: DP {spec.dp} does not split evenly over {spec.nodes} hosts")
         per_node = spec.dp // spec.nodes * spec.tp
@@ -400,8 +439,8 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
                             f"per host; {hw.name} has {hw.npus}")
         serve = topo.role_serve(role)
         ep = spec.dp * spec.tp if serve.get("enable-expert-parallel") else 1
-        role_cfg[role] = _role_config(topo, role, hw, ver, ep, decisions, warnings)
-        fit = memory_fit(role, hw, spec.dp, spec.tp, role_cfg[role].serve, role_cfg[role].env, with_draft)
+        role_cfg[role] = _role_config(topo, role, hw, ver, ep, decisions, warnings, prof)
+        fit = memory_fit(role, hw, spec.dp, spec.tp, role_cfg[role].serve, role_cfg[role].env, with_draft, facts)
         fits[role] = fit
         if not fit.fits:
             raise PlanError(
@@ -477,13 +516,13 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         proxy = ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=topo.proxy.router,
                           policy=topo.proxy.policy, prefill=endpoints("prefill"), decode=endpoints("decode"))
 
-    m = model_facts()
     return Plan(
         cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,
         vllm_ascend_version=ver.version, image=ver.image(hw), hardware=hw.name, mode=topo.mode,
         launch=topo.launch, runtime=inv.cluster.kimi_runtime, model_dir=inv.cluster.kimi_model_dir,
-        served_model_name=m.served_model_name, host_roles=host_roles, instances=instances, engines=engines,
-        proxy=proxy, role_config=role_cfg, fits=fits, switches=decisions, ports=ports.uses, warnings=warnings,
+        served_model_name=facts.served_model_name, engine_profile=prof.name, host_roles=host_roles,
+        instances=instances, engines=engines, proxy=proxy, role_config=role_cfg, fits=fits, switches=decisions,
+        ports=ports.uses, warnings=warnings,
     )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from kimictl.errors import RenderError
-from kimictl.facts import hardware_catalogue, version_profile
+from kimictl.facts import engine_profile, hardware_catalogue, version_profile
 from kimictl.inventory import Inventory
 from kimictl.plan import Engine, Plan
 from kimictl.resources import templates_dir
@@ -106,35 +106,56 @@ def _flag_items(serve: dict[str, Any]) -> list[str]:
     return out
 
 
+def _fill(value: Any, **names: str) -> Any:
+    """Replace {name} placeholders in the strings of a profile value (nested dicts and lists too)."""
+    if isinstance(value, str):
+        for k, v in names.items():
+            value = value.replace("{" + k + "}", v)
+        return value
+    if isinstance(value, dict):
+        return {k: _fill(v, **names) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_fill(v, **names) for v in value]
+    return value
+
+
 def kv_transfer_config(plan: Plan, e: Engine) -> dict[str, Any] | None:
-    """MooncakeConnectorV1 JSON: kv_port/engine_id per DP group, extra config with both sides' real sizes."""
+    """MooncakeConnectorV1 JSON: kv_port/engine_id per DP group, extra config with both sides' real sizes
+    (or the engine profile's connector, e.g. ExampleConnector with its shared directory)."""
     if plan.mode != "pd":
         return None
     inst = plan.instance(e.instance)
     ver = version_profile(plan.vllm_ascend_version)
-    sizes = {r: {"dp_size": plan.fits[r].dp, "tp_size": plan.fits[r].tp} for r in ("prefill", "decode")}
+    kv = engine_profile(plan.engine_profile).kv_transfer
     cfg: dict[str, Any] = {
-        "kv_connector": ver.kv_connector,
+        "kv_connector": kv.kv_connector if kv else ver.kv_connector,
         "kv_role": "kv_producer" if e.role == "prefill" else "kv_consumer",
         "kv_port": str(inst.kv_port),
         "engine_id": inst.engine_id,
     }
-    if ver.kv_connector_module_path:
-        cfg["kv_connector_module_path"] = ver.kv_connector_module_path
-    cfg["kv_connector_extra_config"] = sizes
+    module_path = kv.kv_connector_module_path if kv else ver.kv_connector_module_path
+    if module_path:
+        cfg["kv_connector_module_path"] = module_path
+    if kv:
+        cfg["kv_connector_extra_config"] = _fill(kv.extra_config, cluster=plan.cluster)
+    else:
+        cfg["kv_connector_extra_config"] = {r: {"dp_size": plan.fits[r].dp, "tp_size": plan.fits[r].tp}
+                                            for r in ("prefill", "decode")}
     return cfg
 
 
 def engine_argv(plan: Plan, inv: Inventory, topo: Topology, e: Engine) -> list[str]:
-    """The whole `vllm serve` line of one engine process."""
+    """The whole `vllm serve` line of one engine process (the engine profile names the command)."""
     host = inv.host(e.host)
     inst = plan.instance(e.instance)
     cfg = plan.role_config[e.role]
-    cmd = shlex.split(host.kimi_engine_command or "vllm")
-    argv = [*cmd, "serve", plan.model_dir, "--host", "0.0.0.0", "--port", str(e.port)]
+    prof = engine_profile(plan.engine_profile)
+    cmd = shlex.split(host.kimi_engine_command or prof.command)
+    argv = [*cmd, *_fill(prof.serve_args, model_dir=plan.model_dir), "--host", "0.0.0.0", "--port", str(e.port)]
     argv += ["--data-parallel-size", str(e.dp_size)]
     if plan.launch == "external-dp":
-        argv += ["--data-parallel-rank", str(e.dp_ranks[0])]
+        if e.dp_size > 1:  # vLLM refuses a DP rank (external load balancing) when the DP size is 1
+            argv += ["--data-parallel-rank", str(e.dp_ranks[0])]
     else:
         argv += ["--data-parallel-size-local", str(len(e.dp_ranks))]
         if e.headless:
@@ -161,14 +182,13 @@ def engine_env(plan: Plan, inv: Inventory, e: Engine) -> dict[str, str]:
     host = inv.host(e.host)
     env = dict(plan.role_config[e.role].env)
     nic = host.kimi_nic
-    env.update({
-        "HCCL_IF_IP": host.ip,
-        "GLOO_SOCKET_IFNAME": nic,
-        "TP_SOCKET_IFNAME": nic,
-        "HCCL_SOCKET_IFNAME": nic,
-        "VLLM_HOST_IP": host.ip,
-        "ASCEND_RT_VISIBLE_DEVICES": ",".join(str(d) for d in e.devices),
-    })
+    env.update({"GLOO_SOCKET_IFNAME": nic, "TP_SOCKET_IFNAME": nic, "VLLM_HOST_IP": host.ip})
+    if engine_profile(plan.engine_profile).ascend:
+        env.update({
+            "HCCL_IF_IP": host.ip,
+            "HCCL_SOCKET_IFNAME": nic,
+            "ASCEND_RT_VISIBLE_DEVICES": ",".join(str(d) for d in e.devices),
+        })
     return dict(sorted(env.items()))
 
 

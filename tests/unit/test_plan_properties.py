@@ -244,7 +244,10 @@ def _check_argv(plan: Plan, topo: Topology, contract: dict[str, Any]) -> None:
         assert _flag(argv, "--data-parallel-rpc-port") == str(inst.rpc_port)
         assert e["env"]["ASCEND_RT_VISIBLE_DEVICES"] == ",".join(map(str, e["devices"]))
         if plan.launch == "external-dp":
-            assert _flag(argv, "--data-parallel-rank") == str(e["dp_ranks"][0])
+            if inst.dp > 1:
+                assert _flag(argv, "--data-parallel-rank") == str(e["dp_ranks"][0])
+            else:  # vLLM refuses a DP rank (external load balancing) with DP size 1
+                assert "--data-parallel-rank" not in argv
             assert "--headless" not in argv
         else:
             assert "--data-parallel-rank" not in argv

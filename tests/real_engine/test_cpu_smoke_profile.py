@@ -1,0 +1,153 @@
+"""The cpu-smoke engine profile as data: what it renders differently from production, and what it refuses.
+No lane needed (these run in the ordinary suite); the lane's deploy tests prove vLLM accepts the result."""
+
+from __future__ import annotations
+
+import json
+import typing
+from pathlib import Path
+
+import pytest
+
+from kimictl.errors import InventoryError, PlanError
+from kimictl.facts import engine_profile, engine_profiles
+from kimictl.inventory import ClusterSettings, load_inventory
+from kimictl.plan import make_plan
+from kimictl.render import render
+from kimictl.topology import load_topology
+
+ROOT = Path(__file__).resolve().parents[2]
+TOPOLOGIES = Path(__file__).parent / "topologies"
+LANE = "/var/tmp/kimictl-vllm-venv/bin/python"
+INV = """\
+all:
+  vars:
+    kimi_cluster: {cluster}
+    kimi_model_dir: /tmp/models/tiny
+    kimi_model_source: local
+    kimi_runtime: {runtime}
+    kimi_engine_profile: {profile}
+    kimi_engine_command: {command}
+    kimi_nic: eth0
+  hosts:
+    atlas-01: {{ansible_host: 10.200.0.11, kimi_hardware: atlas-800-a3}}
+    atlas-02: {{ansible_host: 10.200.0.12, kimi_hardware: atlas-800-a3}}
+"""
+
+
+def _inv(tmp_path: Path, *, hosts: int = 2, cluster: str = "lane", runtime: str = "host",
+         profile: str = "cpu-smoke", command: str = LANE) -> Path:
+    text = INV.format(cluster=cluster, runtime=runtime, profile=profile, command=command)
+    if hosts == 1:
+        text = "\n".join(ln for ln in text.splitlines() if "atlas-02" not in ln) + "\n"
+    path = tmp_path / "inv.yml"
+    path.write_text(text)
+    return path
+
+
+def _render(inv_path: Path, topology: str):
+    inv = load_inventory(inv_path)
+    topo = load_topology(topology)
+    plan = make_plan(inv, topo)
+    return plan, render(plan, inv, topo)
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_inventory_accepts_exactly_the_profiles_in_data() -> None:
+    allowed = typing.get_args(ClusterSettings.model_fields["kimi_engine_profile"].annotation)
+    assert sorted(allowed) == sorted(engine_profiles()) == ["ascend", "cpu-smoke"]
+    assert ClusterSettings.model_fields["kimi_engine_profile"].default == "ascend"
+
+
+def test_unknown_profile_is_an_inventory_error(tmp_path: Path) -> None:
+    with pytest.raises(InventoryError) as exc:
+        load_inventory(_inv(tmp_path, profile="cpu-smok"))
+    assert any("kimi_engine_profile" in d and "cpu-smoke" in d for d in exc.value.details)
+
+
+def test_colocated_renders_the_lane_command_without_ascend_parts(tmp_path: Path) -> None:
+    plan, r = _render(_inv(tmp_path, hosts=1), str(TOPOLOGIES / "cpu-smoke-colocated.yml"))
+    (e,) = r.engines
+    assert e.argv[:5] == [LANE, "-m", "vllm.entrypoints.openai.api_server", "--model", "/tmp/models/tiny"]
+    assert "serve" not in e.argv
+    for flag in ("--enforce-eager", "--trust-remote-code", "--enable-expert-parallel"):
+        assert flag in e.argv
+    assert _flag(e.argv, "--gpu-memory-utilization") == "0.1"
+    assert _flag(e.argv, "--served-model-name") == plan.served_model_name == "kimi-k2.5-tiny"
+    for flag in ("--quantization", "--additional-config", "--kv-transfer-config"):
+        assert flag not in e.argv
+    assert sorted(e.env) == ["GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "VLLM_HOST_IP"]
+    assert e.env_prepend == {}
+    assert sorted(r.files["atlas-01"]) == ["engines/colocated-0-n0.env", "engines/colocated-0-n0.sh",
+                                          "manifest.json"]
+    assert plan.engine_profile == "cpu-smoke"
+    fit = plan.fits["colocated"]
+    assert fit.fits and fit.weights_total_gib < 0.01  # the tiny model's numbers, not Kimi K2.5's 489 GiB
+
+
+def test_pd_uses_example_connector_over_one_shared_directory(tmp_path: Path) -> None:
+    _, r = _render(_inv(tmp_path, cluster="lane-pd"), str(TOPOLOGIES / "cpu-smoke-pd.yml"))
+    by_role = {e.role: e for e in r.engines}
+    assert sorted(by_role) == ["decode", "prefill"]
+    cfgs = {role: json.loads(_flag(e.argv, "--kv-transfer-config")) for role, e in by_role.items()}
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        assert cfgs[role]["kv_connector"] == "ExampleConnector"
+        assert cfgs[role]["kv_role"] == kv_role
+        assert cfgs[role]["kv_connector_extra_config"] == {"shared_storage_path": "/tmp/kimictl-kv/lane-pd"}
+    for e in by_role.values():  # DP size 1: vLLM refuses --data-parallel-rank (external load balancing)
+        assert "--data-parallel-rank" not in e.argv and _flag(e.argv, "--data-parallel-size") == "1"
+    assert r.proxy is not None and [x["port"] for x in r.proxy.prefill + r.proxy.decode] == [7100, 7100]
+
+
+def test_a_production_preset_loses_only_its_ascend_parts(tmp_path: Path) -> None:
+    inv = ROOT / "inventories" / "a3-pd.yml"
+    text = inv.read_text().replace("kimi_runtime: container", "kimi_runtime: host\n    kimi_engine_profile: cpu-smoke")
+    path = tmp_path / "a3-pd-cpu.yml"
+    path.write_text(text)
+    # The preset's shape with TP4 prefill: the tiny model has 4 attention heads (TP8 is refused, as vLLM would).
+    topo = tmp_path / "a3-pd-tp4.yml"
+    topo.write_text((ROOT / "kimictl/data/topologies/a3-pd.yml").read_text().replace("    tp: 8", "    tp: 4"))
+    with pytest.raises(PlanError, match=r"TP 8 does not divide the model's 4 attention heads.*use TP 1, 2 or 4"):
+        _render(path, "a3-pd")
+    plan, r = _render(path, str(topo))
+    argv = r.engines[0].argv
+    assert argv[:2] == ["python3", "-m"]  # the profile's default command
+    assert "--quantization" not in argv and "--additional-config" not in argv
+    assert _flag(argv, "--gpu-memory-utilization") == "0.1"  # the profile overrides the preset's 0.8
+    assert "--data-parallel-rank" in argv  # DP2: external DP ranks stay
+    assert any("--quantization ascend not rendered" in w for w in plan.warnings)
+    assert any("switches fused_mc2" in w for w in plan.warnings)
+    assert {d.state for d in plan.switches} <= {"skipped", "off"} and not any(d.spelled for d in plan.switches)
+    env = r.engines[0].env
+    assert not [k for k in env if k.startswith(("ASCEND_", "HCCL_IF", "HCCL_SOCKET", "HCCL_OP", "PYTORCH_NPU"))]
+    assert env["HCCL_BUFFSIZE"] == "256"  # the topology's own env is the user's and stays
+
+
+def test_ascend_profile_spelled_out_renders_the_same_as_the_default(tmp_path: Path) -> None:
+    inv = ROOT / "inventories" / "a3-pd.yml"
+    path = tmp_path / "a3-pd-ascend.yml"
+    path.write_text(inv.read_text().replace("kimi_runtime: container",
+                                            "kimi_runtime: container\n    kimi_engine_profile: ascend"))
+    plan, r = _render(path, "a3-pd")
+    _, default = _render(inv, "a3-pd")
+    assert r.files == default.files and r.contract() == default.contract()
+    assert r.engines[0].argv[:3] == ["vllm", "serve", "/data/models/Kimi-K2.5-W4A8"]
+    assert plan.engine_profile == "ascend"
+
+
+def test_cpu_smoke_needs_host_runtime(tmp_path: Path) -> None:
+    with pytest.raises(PlanError) as exc:
+        _render(_inv(tmp_path, hosts=1, runtime="container"), str(TOPOLOGIES / "cpu-smoke-colocated.yml"))
+    assert "kimi_runtime: host" in exc.value.message and exc.value.code == 2
+
+
+def test_profile_data_is_complete() -> None:
+    cpu = engine_profile("cpu-smoke")
+    assert not cpu.ascend and cpu.runtime == "host" and cpu.kv_transfer and cpu.min_ready_timeout_s >= 300
+    facts = cpu.facts()
+    assert (facts.text.num_hidden_layers, facts.text.n_routed_experts, facts.text.vocab_size) == (2, 8, 512)
+    assert facts.text.kv_lora_rank + facts.text.qk_rope_head_dim == 576  # MLA on vLLM CPU needs 512 + 64
+    assert engine_profile(None).name == "ascend" and engine_profile("ascend").serve_args == ["serve", "{model_dir}"]
