@@ -351,15 +351,7 @@ class Agent:
 
     def op_cleanup(self, op: dict) -> None:
         """Every host is complete: take this run's peer key away (the playbook does it if we cannot)."""
-        keys = Path(os.path.expanduser("~/.ssh/authorized_keys"))
-        try:
-            lines = keys.read_text().splitlines(keepends=True)
-        except FileNotFoundError:
-            lines = []
-        kept = [ln for ln in lines if not ln.rstrip().endswith(op["key_comment"])]
-        if kept != lines:
-            _atomic_write(keys, "".join(kept))
-            keys.chmod(0o600)
+        authorize(op["key_comment"], None)
         shutil.rmtree(op["key_dir"], ignore_errors=True)
         self.emit(ev="cleaned")
 
@@ -409,6 +401,38 @@ def _multiplex(key: str) -> list[str]:
     """One SSH connection per peer for all its files (a handshake per file costs more than a small file)."""
     return ["-o", "ControlMaster=auto", "-o", f"ControlPath={Path(key).parent}/cm-%C", "-o", "ControlPersist=5",
             *FAST_CIPHERS]
+
+
+def authorize(comment: str, line: str | None) -> None:
+    """Drop the authorized_keys lines that end in `comment`, then add `line` when given (atomic, 0600)."""
+    keys = Path(os.path.expanduser("~/.ssh/authorized_keys"))
+    try:
+        lines = keys.read_text().splitlines(keepends=True)
+    except FileNotFoundError:
+        keys.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        lines = []
+    kept = [ln for ln in lines if not ln.rstrip().endswith(comment)]
+    if line:
+        kept.append(line.rstrip("\n") + "\n")
+    if kept != lines:
+        _atomic_write(keys, "".join(kept))
+        keys.chmod(0o600)
+
+
+def install_peer_key(d: dict) -> None:
+    """What playbooks/weights.yml (prepare) applies: the agent, the run's key and host keys, the key's line."""
+    key_dir = Path(d["key_dir"])
+    key_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    key_dir.chmod(0o700)
+    Path(d["model_dir"]).mkdir(parents=True, exist_ok=True)
+    for name, text, mode in (("kimi_weights_agent.py", d["agent_src"], 0o755), ("peer_key", d["peer_key"], 0o600),
+                             ("known_hosts", d["known_hosts"], 0o644)):
+        fd = os.open(key_dir / f".{name}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(key_dir / f".{name}.tmp", mode)
+        os.replace(key_dir / f".{name}.tmp", key_dir / name)
+    authorize(d["key_comment"], d["authorized_line"])
 
 
 def _glob_escape(path: str) -> str:

@@ -399,7 +399,7 @@ class Stager:
         hosts = [h.name for h in self.inv.hosts]
         spec = build_run_spec(self.run_dir, "weights.yml", Path(self.inv.path),
                               {"kimi": {"phase": phase, "state_dir_of": self.state_dir, "cluster": self.c.name,
-                                        "model_dir": self.c.kimi_model_dir, **extra}},
+                                        **extra}},
                               ident=f"weights-{phase}", hosts=hosts, limit=hosts)
         try:
             res = run_playbook(spec)
@@ -412,31 +412,30 @@ class Stager:
                             hint=f"ansible artifacts: {res.artifacts}")
 
     def _prepare(self) -> None:
-        """Peer key, host keys and the agent to every host in one tarball; runs while the hub pulls go on."""
-        import tarfile
-
+        """The run's peer key on every host (playbooks/weights.yml); runs while the hub pulls go on."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.run_dir.parent.glob("*-weights/peer_key*"):   # left by a run that was killed
+            stale.unlink(missing_ok=True)
         key = self.run_dir / "peer_key"
-        key.unlink(missing_ok=True)
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", self.key_comment, "-f", str(key)],
                        check=True, capture_output=True)
-        known = self.run_dir / "known_hosts"
-        known.write_text("".join(_known_hosts_line(self.targets[h], ln.server_key) for h, ln in self.links.items()))
-        bundle = self.run_dir / "weights-bundle.tar.gz"
-        with tarfile.open(bundle, "w:gz") as tar:
-            for src, name, mode in ((AGENT_SRC, "kimi_weights_agent.py", 0o755), (key, "peer_key", 0o600),
-                                    (known, "known_hosts", 0o644)):
-                info = tar.gettarinfo(str(src), arcname=name)
-                info.mode, info.uid, info.gid, info.uname, info.gname = mode, 0, 0, "", ""
-                with open(src, "rb") as f:
-                    tar.addfile(info, f)
-        bundle.chmod(0o600)
+        known = "".join(_known_hosts_line(self.targets[h], ln.server_key) for h, ln in self.links.items())
+        src, private, public = AGENT_SRC.read_text(), key.read_text(), key.with_suffix(".pub").read_text().strip()
+        for p in (key, key.with_suffix(".pub")):
+            p.unlink()
+        md = self.c.kimi_model_dir
+        payload = {h: {"agent_src": src, "peer_key": private, "known_hosts": known, "model_dir": md,
+                       "key_dir": f"{sd}/weights", "key_comment": self.key_comment,
+                       "authorized_line": f'restrict,command="{self.c.kimi_python} -I -S {sd}/weights/'
+                                          f'kimi_weights_agent.py rsync-serve {md}" {public}'}
+                   for h, sd in self.state_dir.items()}
+        installer = ("import sys,json;d=json.loads(sys.stdin.read());g={'__name__':'kimi_weights_agent'};"
+                     "exec(compile(d['agent_src'],'kimi_weights_agent','exec'),g);g['install_peer_key'](d)")
         try:
-            self._playbook("prepare", {"bundle": str(bundle), "python": self.c.kimi_python,
-                                       "peer_pub": key.with_suffix(".pub").read_text().strip()})
-        finally:
-            for p in (key, key.with_suffix(".pub"), bundle):
-                p.unlink(missing_ok=True)
+            self._playbook("prepare", {"python": self.c.kimi_python, "installer": installer, "payload": payload})
+        finally:   # the private key must not outlive the run on this machine either
+            for p in (self.run_dir / "ansible" / "env").glob("extravars*"):
+                p.unlink()
 
     def _prepare_async(self) -> None:
         def run() -> None:
