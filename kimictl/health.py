@@ -20,32 +20,32 @@ class Ready:
     detail: str
 
 
-def http_get(url: str, timeout: float = 3.0, api_key: str | None = None) -> tuple[int, str]:
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+def http_request(method: str, url: str, body: Any = None, timeout: float = 10.0,
+                 headers: dict[str, str] | None = None, api_key: str | None = None) -> tuple[int, str]:
+    """(status, body text); status 0 with the reason when the server cannot be reached."""
+    hdrs = {"Content-Type": "application/json"} if body is not None else {}
+    if api_key:
+        hdrs["Authorization"] = f"Bearer {api_key}"
+    hdrs.update(headers or {})
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode(errors="replace")
     except (urllib.error.URLError, OSError, TimeoutError) as exc:
-        reason = getattr(exc, "reason", exc)
-        return 0, str(reason)
+        return 0, str(getattr(exc, "reason", exc))
+
+
+def http_get(url: str, timeout: float = 3.0, api_key: str | None = None) -> tuple[int, str]:
+    return http_request("GET", url, timeout=timeout, api_key=api_key)
 
 
 def http_post_json(url: str, body: dict[str, Any], timeout: float = 60.0,
                    api_key: str | None = None) -> tuple[int, Any]:
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            text = r.read().decode(errors="replace")
-            status = r.status
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError, TimeoutError) as exc:
-        return 0, str(getattr(exc, "reason", exc))
+    """POST JSON; the reply parsed as JSON when it is JSON."""
+    status, text = http_request("POST", url, body, timeout, api_key=api_key)
     try:
         return status, json.loads(text)
     except ValueError:

@@ -511,21 +511,6 @@ class RouterError(KimictlError):
     """A router refused or failed an admin call."""
 
 
-def _http(method: str, url: str, body: Any = None, timeout: float = 10.0,
-          headers: dict[str, str] | None = None) -> tuple[int, str]:
-    data = None if body is None else json.dumps(body).encode()
-    hdrs = {"Content-Type": "application/json"} if body is not None else {}
-    hdrs.update(headers or {})
-    req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read().decode(errors="replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
-    except (urllib.error.URLError, OSError, TimeoutError) as exc:
-        return 0, str(getattr(exc, "reason", exc))
-
-
 class RouterAdmin:
     """Runtime membership of one vllm-router: `GET /workers`, `POST /remove_worker?url=` (static P/D mode and
     IGW mode), `POST /workers {"url", "worker_type"}` (IGW mode only; static P/D mode answers 400)."""
@@ -536,7 +521,7 @@ class RouterAdmin:
         self._runtime_add: bool | None = None
 
     def members(self) -> dict[str, str]:
-        code, text = _http("GET", f"{self.url}/workers", timeout=self.timeout)
+        code, text = health.http_request("GET", f"{self.url}/workers", timeout=self.timeout)
         if code != 200:
             raise RouterError(f"router {self.url}: GET /workers -> {code or 'unreachable'}: {text[:200]}")
         try:
@@ -552,21 +537,22 @@ class RouterAdmin:
             if not members:
                 raise RouterError(f"router {self.url} has no workers; nothing to probe its admin API with")
             url, role = next(iter(members.items()))
-            code, text = _http("POST", f"{self.url}/workers", {"url": url, "worker_type": role},
+            code, text = health.http_request("POST", f"{self.url}/workers", {"url": url, "worker_type": role},
                                timeout=self.timeout)
             self._runtime_add = code == 200 and STATIC_PD_ROUTER_MARK not in text
         return self._runtime_add
 
     def remove(self, url: str) -> None:
         quoted = urllib.parse.quote(url, safe=":/")
-        code, text = _http("POST", f"{self.url}/remove_worker?url={quoted}", timeout=self.timeout)
+        code, text = health.http_request("POST", f"{self.url}/remove_worker?url={quoted}", timeout=self.timeout)
         if code != 200:
             raise RouterError(f"router {self.url}: cannot remove {url}: HTTP {code or 'unreachable'}: {text[:200]}")
         if url in self.members():
             raise RouterError(f"router {self.url} still lists {url} after removing it")
 
     def add(self, url: str, role: str) -> None:
-        code, text = _http("POST", f"{self.url}/workers", {"url": url, "worker_type": role}, timeout=self.timeout)
+        code, text = health.http_request("POST", f"{self.url}/workers", {"url": url, "worker_type": role},
+                                         timeout=self.timeout)
         if code != 200 or STATIC_PD_ROUTER_MARK in text:
             raise RouterError(f"router {self.url}: cannot add {role} {url}: HTTP {code or 'unreachable'}: "
                               f"{text[:200]}")
@@ -617,7 +603,7 @@ def wait_drained(endpoints: list[Endpoint], *, timeout: float, quiet: float,
 
 
 def _completion(url: str, body: dict[str, Any], request_id: str, timeout: float) -> tuple[int, Any]:
-    code, text = _http("POST", url, body, timeout=timeout, headers={"X-Request-Id": request_id})
+    code, text = health.http_request("POST", url, body, timeout=timeout, headers={"X-Request-Id": request_id})
     try:
         return code, json.loads(text)
     except ValueError:

@@ -63,6 +63,27 @@ def unsafe_name(path: str) -> str | None:
     return None
 
 
+def try_lock(path: Path, holder: dict, mode: int = 0o644) -> tuple[int | None, dict]:
+    """flock path without waiting: (fd, holder) on success, (None, the current holder's record) when held.
+
+    The kernel drops the lock when its holder dies, so it cannot go stale; the record only names the holder.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            who = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            who = {}
+        os.close(fd)
+        return None, who
+    record = {**holder, "pid": os.getpid()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    return fd, record
+
+
 def file_digest(path: Path, algo: str) -> str:
     """sha256, or the git blob sha1 ("blob <size>\\0" + bytes) that HF lists for small non-LFS files."""
     h = hashlib.sha256() if algo == "sha256" else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
@@ -124,19 +145,10 @@ class Agent:
 
     def _lock(self, holder: dict) -> bool:
         self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                who = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            except ValueError:
-                who = {}
-            os.close(fd)
+        fd, who = try_lock(self.dir / LOCK, holder)
+        if fd is None:
             self.emit(ev="locked", holder=who)
             return False
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({**holder, "pid": os.getpid()}).encode(), 0)
         self.lock_fd = fd
         return True
 
@@ -253,7 +265,7 @@ class Agent:
             self._guard(path, "hub", lambda t0, path=path: self._install(path, pull(path), "hub", t0))
 
     def _hub_client(self, op: dict):
-        stage = self.stage / "hub"
+        stage = self.stage / f"hub{int(op.get('lane', 0))}"   # one client download area per concurrent pull
         stage.mkdir(parents=True, exist_ok=True)
         token = op.get("token") or ""
         os.environ["TQDM_DISABLE"] = "1"   # progress goes to the control node as events

@@ -10,7 +10,6 @@ removes it afterwards (playbooks/weights.yml).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import getpass
 import json
 import os
@@ -40,7 +39,8 @@ MODES = ("sharded", "control", "shared")
 DEFAULT_STREAMS = 4
 MAX_TRIES = 3
 STALL_S = 180.0
-BATCH_BYTES = 64 << 20   # small files share one rsync stream; big ones (real shards are GBs) go alone
+BATCH_BYTES = 32 << 20
+HUB_STREAMS = 1   # small files share one rsync stream; big ones (real shards are GBs) go alone
 TOKEN_ENV = {"modelscope": ("MODELSCOPE_API_TOKEN",), "huggingface": ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
 
 
@@ -165,19 +165,11 @@ def cluster_lock(cluster: str, what: str):
     """One weights run per cluster on this control node; the kernel drops the lock with its holder."""
     path = control_dir(cluster) / "weights.lock"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd, who = agent_mod.try_lock(path, holder(what), 0o600)
+    if fd is None:
+        raise KimictlError(f"another `kimictl weights` run holds cluster {cluster}: {_holder_text(who)}",
+                           hint="wait for it to finish")
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            try:
-                who = json.loads(os.pread(fd, 4096, 0) or b"{}")
-            except ValueError:
-                who = {}
-            raise KimictlError(f"another `kimictl weights` run holds cluster {cluster}: "
-                               f"{_holder_text(who)}", hint="wait for it to finish") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(holder(what)).encode(), 0)
         yield
     finally:
         os.close(fd)
@@ -473,6 +465,7 @@ class Stager:
         streams_in: dict[str, int] = {h: 0 for h in hosts}
         batch: dict[tuple[str, str], list[str]] = {}   # (host, path) -> the paths that share its stream
         hub_left = {h: set(ps) for h, ps in hub_share.items()}
+        hub_lanes: dict[str, list[set[str]]] = {h: [] for h in hosts}   # files still due on each hub stream
         tries: dict[tuple[str, str], int] = {}
         avoid: dict[tuple[str, str], set[str]] = {}
         inflight_bytes: dict[tuple[str, str], int] = {}
@@ -487,12 +480,17 @@ class Stager:
                    f"{'this machine' if control else 'the hub'}, then peer to peer across {len(hosts)} host(s)")
         for h, ps in hub_share.items():
             if ps and not control:
-                self._hub(h, ps)
+                # HUB_STREAMS pulls per host: a single one loses the host's link to its own peer streams, and
+                # then the hub - the one source of new bytes - idles below its rate
+                for lane in range(HUB_STREAMS):
+                    if part := ps[lane::HUB_STREAMS]:
+                        hub_lanes[h].append(set(part))
+                        self._hub(h, part, lane)
         if len(hosts) > 1:
             self._prepare_async()
 
         def slots(h: str) -> int:
-            return self.opts.streams - streams_in[h] - (1 if hub_left[h] and not control else 0)
+            return self.opts.streams - streams_in[h] - sum(1 for lane in hub_lanes[h] if lane)
 
         def wanted(h: str, p: str) -> bool:
             return p not in have[h] and p not in recv[h] and not (p in hub_left[h] and not control)
@@ -562,6 +560,8 @@ class Stager:
                 holders[p].add(host)
                 landed(host, p)
                 hub_left[host].discard(p)
+                for lane in hub_lanes[host]:
+                    lane.discard(p)
                 inflight_bytes.pop((host, p), None)
                 done_bytes[host] += self.size[p]
                 via = ev["via"]
@@ -582,7 +582,7 @@ class Stager:
                     raise HostError(f"{p} could not be staged after {n} tries: {ev['error'][-500:]}", host=host,
                                     step=f"weights from {ev['via']}")
                 if ev["via"] == "hub" and p in hub_left[host]:
-                    self._hub(host, [p])
+                    self._hub(host, [p], HUB_STREAMS)   # its own area: the lane's thread is still pulling
             elif kind == "complete":
                 completed.add(host)
                 self._completed(host)
@@ -615,11 +615,11 @@ class Stager:
                 return
         self.cleaned = True
 
-    def _hub(self, host: str, files: list[str]) -> None:
+    def _hub(self, host: str, files: list[str], lane: int) -> None:
         c = self.c
-        self.links[host].send({"op": "hub", "files": files, "source": c.kimi_model_source, "model_id": c.kimi_model_id,
-                               "revision": self.m.revision, "endpoint": c.kimi_model_endpoint,
-                               "token": self.opts.token})
+        self.links[host].send({"op": "hub", "files": files, "lane": lane, "source": c.kimi_model_source,
+                               "model_id": c.kimi_model_id, "revision": self.m.revision,
+                               "endpoint": c.kimi_model_endpoint, "token": self.opts.token})
 
     def _push(self, host: str, path: str) -> None:
         """Control mode: rsync one file from this machine into the host's staging area, then adopt it."""
