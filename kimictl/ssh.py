@@ -168,6 +168,10 @@ class Session:
             raise SSHError(f"{self.target.name}: command timed out after {chan_timeout:.0f}s") from None
         return RunResult(rc, out, err, time.monotonic() - t0)
 
+    def transport(self):
+        """The connection's paramiko Transport, for long-lived channels (the weights agents)."""
+        return self._client.get_transport()
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()

@@ -3,8 +3,8 @@
 The control node computes and schedules; one agent per host (kimictl/weights/agent.py, over one SSH channel)
 moves and verifies bytes. Each host first pulls a disjoint, size-balanced share from the hub; every file a
 host has verified becomes a source for the others at once (rarest first, bounded streams per host, so a file
-fans out through a tree of hosts rather than from its first owner alone). Ansible prepares the peer key and
-removes it afterwards (playbooks/weights.yml).
+fans out through a tree of hosts rather than from its first owner alone). Ansible installs the run's peer key
+(playbooks/weights.yml); the agents remove it when every host is complete, the playbook's cleanup otherwise.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ MODES = ("sharded", "control", "shared")
 DEFAULT_STREAMS = 4
 MAX_TRIES = 3
 STALL_S = 180.0
-BATCH_BYTES = 32 << 20
-HUB_STREAMS = 1   # small files share one rsync stream; big ones (real shards are GBs) go alone
+BATCH_BYTES = 32 << 20   # small files share one rsync stream; big ones (real shards are GBs) go alone
+HUB_STREAMS = 1   # per host; two made files complete in bursts and lengthened the tail (bench/weights_staging.py)
 TOKEN_ENV = {"modelscope": ("MODELSCOPE_API_TOKEN",), "huggingface": ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
 
 
@@ -198,7 +198,7 @@ class AgentLink:
     def __init__(self, host: str, session: Session, python: str, model_dir: str, events: queue.Queue,
                  secrets: list[str]):
         self.host, self.events, self.secrets = host, events, secrets
-        transport = session._client.get_transport()
+        transport = session.transport()
         self.server_key = transport.get_remote_server_key()
         self.chan = transport.open_session()
         self.chan.exec_command(agent_command(python, model_dir))
