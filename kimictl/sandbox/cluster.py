@@ -507,14 +507,21 @@ class Sandbox:
         return removed
 
     def _stop_strays(self) -> list[str]:
-        """Safety net without state: launchers and sshds whose command line names this sandbox's host dirs."""
+        """Safety net without state: launchers and sshds whose command line names this sandbox's host dirs, and
+        the fake hub serving this sandbox's checkpoint."""
         marker = f"{self.dir}/hosts/"
+        hub_repo = f"={self.dir / 'checkpoint'}"
         found = []
         for p in (int(x) for x in os.listdir("/proc") if x.isdigit()):
             argv = system.cmdline(p)
-            if p == os.getpid() or not argv or not any(marker in a for a in argv) or not system.alive(p):
+            if p == os.getpid() or not argv or not system.alive(p):
                 continue
             prog = Path(argv[0]).name
+            if "kimictl.weights.fakehub" in argv and any(a.endswith(hub_repo) for a in argv):
+                found.append((p, "fake hub", argv))
+                continue
+            if not any(marker in a for a in argv):
+                continue
             if prog in ("unshare", "sshd") or (prog.startswith("python") and
                                                any(a.endswith("subreaper.py") for a in argv)):
                 found.append((p, prog, argv))
