@@ -206,6 +206,18 @@ class EngineOps:
         self._playbook("engines.yml", {"state_dir_of": self.state_dir_of, "actions": actions,
                                        "grace": STOP_GRACE_S}, hosts)
 
+    def _bundle(self, host: str) -> Path:
+        """The host's rendered files as one tarball: one transfer instead of one per file."""
+        import tarfile
+
+        src = self.run_dir / "rendered" / host
+        out = self.run_dir / "bundles" / f"{host}.tar.gz"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(out, "w:gz") as tar:
+            for path in sorted(src.rglob("*")):
+                tar.add(path, arcname=str(path.relative_to(src)), recursive=False)
+        return out
+
     # --- readiness -------------------------------------------------------------------------------------
 
     def _ready_timeout(self) -> float:
@@ -384,18 +396,6 @@ class Deployer(EngineOps):
         self._record("deployed", changes)
         return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "deployed", smoke,
                             self.timings)
-
-    def _bundle(self, host: str) -> Path:
-        """The host's rendered files as one tarball: one transfer instead of one per file."""
-        import tarfile
-
-        src = self.run_dir / "rendered" / host
-        out = self.run_dir / "bundles" / f"{host}.tar.gz"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(out, "w:gz") as tar:
-            for path in sorted(src.rglob("*")):
-                tar.add(path, arcname=str(path.relative_to(src)), recursive=False)
-        return out
 
     def _preflight(self) -> None:
         from kimictl.preflight import run_preflight

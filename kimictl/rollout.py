@@ -896,19 +896,9 @@ class Rollout(EngineOps):
 
     def _install(self, hosts: list[str]) -> None:
         """Unpack the new release next to the running one on every host whose files change (nothing restarts)."""
-        import tarfile
-
         if not hosts:
             return
-        spec = {}
-        for h in hosts:
-            src = self.run_dir / "rendered" / h
-            out = self.run_dir / "bundles" / f"{h}.tar.gz"
-            out.parent.mkdir(parents=True, exist_ok=True)
-            with tarfile.open(out, "w:gz") as tar:
-                for path in sorted(src.rglob("*")):
-                    tar.add(path, arcname=str(path.relative_to(src)), recursive=False)
-            spec[h] = {"release": self.new.releases[h], "bundle": str(out)}
+        spec = {h: {"release": self.new.releases[h], "bundle": str(self._bundle(h))} for h in hosts}
         self.say(f"installing release files on {', '.join(hosts)}")
         self._playbook("release.yml", {"state_dir_of": self.state_dir_of, "supervisor_src": str(SUPERVISOR_SRC),
                                        "hosts": spec}, hosts)
