@@ -71,7 +71,8 @@ class BenchResult:
         }
 
 
-def _one(host: str, port: int, model: str, prompt: str, spec: BenchSpec, deadline: float) -> Sample:
+def _one(host: str, port: int, model: str, prompt: str, spec: BenchSpec, deadline: float,
+         api_key: str | None = None) -> Sample:
     """One streamed completion; TTFT = first text chunk, TPOT = mean gap between later tokens."""
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": spec.output_tokens, "stream": True,
                        "ignore_eos": True, "temperature": 0})
@@ -79,7 +80,10 @@ def _one(host: str, port: int, model: str, prompt: str, spec: BenchSpec, deadlin
     timeout = max(1.0, min(spec.timeout_s, deadline - t0))
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
+        conn.request("POST", "/v1/completions", body, headers)
         resp = conn.getresponse()
         if resp.status != 200:
             return Sample(False, error=f"HTTP {resp.status}: {resp.read()[:160]!r}")
@@ -109,14 +113,15 @@ def _one(host: str, port: int, model: str, prompt: str, spec: BenchSpec, deadlin
         conn.close()
 
 
-def run_bench(host: str, port: int, model: str, spec: BenchSpec) -> BenchResult:
+def run_bench(host: str, port: int, model: str, spec: BenchSpec, api_key: str | None = None) -> BenchResult:
     """Send spec.requests completions with spec.concurrency in flight; bounded by spec.timeout_s overall."""
     prompt = health.smoke_prompt(spec.input_tokens)
     res = BenchResult(f"http://{host}:{port}/v1/completions", spec)
     t0 = time.monotonic()
     deadline = t0 + spec.timeout_s
     with ThreadPoolExecutor(max_workers=spec.concurrency) as pool:
-        futures = [pool.submit(_one, host, port, model, prompt, spec, deadline) for _ in range(spec.requests)]
+        futures = [pool.submit(_one, host, port, model, prompt, spec, deadline, api_key)
+                   for _ in range(spec.requests)]
         res.samples = [f.result() for f in futures]
     res.wall_s = time.monotonic() - t0
     return res

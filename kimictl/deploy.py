@@ -19,10 +19,12 @@ from kimictl.facts import engine_profile
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import Rendered, write_rendered
+from kimictl.secret_file import proxy_api_key
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import cached_manifest_bytes, control_dir, save_preflight
 
 SUPERVISOR_SRC = Path(__file__).parent / "supervisor.py"
+PROXY_FRONT_SRC = Path(__file__).parent / "proxy_front.py"
 LIVE_STATES = ("starting", "running", "backoff")
 STOP_GRACE_S = 30
 ROLLBACK_READY_TIMEOUT_S = 300.0
@@ -175,6 +177,7 @@ class EngineOps:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         self.run_dir = control_dir(cluster) / "runs" / f"{stamp}-{run_name}"
         self.state_dir_of = {h.name: h.kimi_state_dir for h in inv.hosts}
+        self.api_key = proxy_api_key(inv)
         self.n_runs = 0
         self.timings: dict[str, float] = {}
 
@@ -205,6 +208,20 @@ class EngineOps:
                                          for h, a in actions.items()))
         self._playbook("engines.yml", {"state_dir_of": self.state_dir_of, "actions": actions,
                                        "grace": STOP_GRACE_S}, hosts)
+
+    def install_release(self, rendered: Rendered, hosts: list[str]) -> None:
+        """Unpack each host's release next to the running one (nothing restarts); the tools in bin/ and the proxy's
+        API key are brought up to date on the way."""
+        proxy_host = rendered.plan.proxy.host if rendered.plan.proxy else None
+        self._playbook("release.yml", {
+            "state_dir_of": self.state_dir_of,
+            "bin": {"supervisor.py": str(SUPERVISOR_SRC), "proxy_front.py": str(PROXY_FRONT_SRC)},
+            "hosts": {h: {"release": rendered.releases[h], "bundle": str(self._bundle(h))} for h in hosts},
+            "proxy_host": proxy_host, "api_key_file": self.inv.cluster.kimi_api_key_file}, hosts)
+
+    def ready(self, p: Proc) -> health.Ready:
+        return health.engine_ready(p.ip, p.port, self.served_model_name,
+                                   api_key=self.api_key if p.kind == "proxy" else None)
 
     def _bundle(self, host: str) -> Path:
         """The host's rendered files as one tarball: one transfer instead of one per file."""
@@ -252,7 +269,7 @@ class EngineOps:
         self.say(f"waiting for {len(pending)} endpoint(s) to load and answer (timeout {deadline - t0:.0f}s)")
         while pending:
             for key, p in list(pending.items()):
-                if health.engine_ready(p.ip, p.port, self.served_model_name).ok:
+                if self.ready(p).ok:
                     del pending[key]
                     self.say(f"ready: {p.id} on {p.host} ({time.monotonic() - t0:.1f}s)")
             if not pending:
@@ -306,7 +323,7 @@ class Deployer(EngineOps):
             url = f"http://{first.ip}:{first.port}/v1/completions"
         code, body = health.http_post_json(url, {"model": self.plan.served_model_name,
                                                  "prompt": health.smoke_prompt(), "max_tokens": 16,
-                                                 "temperature": 0})
+                                                 "temperature": 0}, api_key=self.api_key)
         if code != 200 or not isinstance(body, dict) or not body.get("choices"):
             raise HostError(f"smoke completion through {url} failed: HTTP {code}: {str(body)[:300]}",
                             host=self.plan.proxy.host if self.plan.proxy else engines[0].host, step="smoke")
@@ -368,8 +385,12 @@ class Deployer(EngineOps):
         if self.opts.check:
             return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "check")
         if not todo:
-            sick = [p for p in procs if p.serves_http and not health.engine_ready(p.ip, p.port,
-                                                                                    self.plan.served_model_name).ok]
+            sick = [p for p in procs if p.serves_http and not self.ready(p).ok]
+            if any(p.kind == "proxy" and "401" in self.ready(p).detail for p in sick):
+                # Only the key changed (it is not part of a release): install it; the front re-reads it.
+                self.say("the proxy refuses the inventory's API key: installing the key")
+                self.install_release(self.rendered, [self.plan.proxy.host] if self.plan.proxy else [])
+                sick = [p for p in sick if not self.ready(p).ok]
             if sick:
                 p = sick[0]
                 raise HostError(f"no changes to apply, but {len(sick)} process(es) of this release do not answer: "
@@ -427,11 +448,7 @@ class Deployer(EngineOps):
                             step="weights", hint="see `kimictl weights status`")
 
     def _converge(self, changes: list[Change], procs: list[Proc]) -> None:
-        hosts = sorted(self.rendered.releases)
-        self._playbook("release.yml", {
-            "state_dir_of": self.state_dir_of, "supervisor_src": str(SUPERVISOR_SRC),
-            "hosts": {h: {"release": r, "bundle": str(self._bundle(h))} for h, r in self.rendered.releases.items()}},
-            hosts)
+        self.install_release(self.rendered, sorted(self.rendered.releases))
         engine_changes = [c for c in changes if c.id != "proxy" and c.action != "keep"]
         stops: dict[str, list[str]] = {}
         starts: dict[str, list[dict[str, Any]]] = {}

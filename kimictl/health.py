@@ -52,12 +52,12 @@ def http_post_json(url: str, body: dict[str, Any], timeout: float = 60.0,
         return status, text
 
 
-def engine_ready(ip: str, port: int, served_name: str, timeout: float = 3.0) -> Ready:
+def engine_ready(ip: str, port: int, served_name: str, timeout: float = 3.0, api_key: str | None = None) -> Ready:
     """Model-aware readiness: /health is 200 and /v1/models lists the served model name."""
-    code, text = http_get(f"http://{ip}:{port}/health", timeout)
+    code, text = http_get(f"http://{ip}:{port}/health", timeout, api_key)
     if code != 200:
         return Ready(False, f"/health {code or 'unreachable'}: {text[:120]}")
-    code, text = http_get(f"http://{ip}:{port}/v1/models", timeout)
+    code, text = http_get(f"http://{ip}:{port}/v1/models", timeout, api_key)
     if code != 200:
         return Ready(False, f"/v1/models {code}")
     try:

@@ -126,6 +126,8 @@ KEYS: dict[str, Key] = {
     "kimi_vllm_ascend_version": Key("cluster", "vllm-ascend version profile, default the newest"),
     "kimi_runtime": Key("cluster", "container (default) or host"),
     "kimi_proxy_host": Key("cluster", "inventory host that runs the P/D proxy, default the first prefill host"),
+    "kimi_api_key_file": Key("cluster", "file on the control node (mode 0600) holding the key clients must send "
+                                        "to the proxy (Authorization: Bearer); unset: no key"),
     "kimi_draft_model_dir": Key("cluster", "eagle3 draft checkpoint path; setting it enables speculative decoding"),
     "kimi_media_dir": Key("cluster", "directory engines may read local media from (--allowed-local-media-path)"),
     "kimi_python": Key("cluster", "python3 on the hosts that has modelscope/huggingface_hub, for weights pulls"),
@@ -156,6 +158,7 @@ class ClusterSettings(BaseModel):
     kimi_vllm_ascend_version: Annotated[str, AfterValidator(_known_version)] | None = None
     kimi_runtime: Literal["container", "host"] = "container"
     kimi_proxy_host: str | None = None
+    kimi_api_key_file: AbsPath | None = None
     kimi_draft_model_dir: AbsPath | None = None
     kimi_media_dir: MediaDir = "/var/lib/kimi/media"
     kimi_python: Command = "python3"

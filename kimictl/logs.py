@@ -117,9 +117,11 @@ class Redactor:
     skipped_short: int = 0
 
     @classmethod
-    def from_config(cls, environ: dict[str, str] | None = None, secrets_file: Path | None = None) -> Redactor:
+    def from_config(cls, environ: dict[str, str] | None = None, secrets_file: Path | None = None,
+                    known: Iterable[str] = ()) -> Redactor:
+        """known: secret values kimictl itself holds (the proxy's API key)."""
         env = os.environ if environ is None else environ
-        values = [env.get(k, "") for k in SECRET_ENV_VARS]
+        values = [env.get(k, "") for k in SECRET_ENV_VARS] + list(known)
         if secrets_file is not None:
             try:
                 text = Path(secrets_file).read_text()

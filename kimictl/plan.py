@@ -103,6 +103,11 @@ class Endpoint(_Model):
     engine: str
 
 
+class RouterPort(_Model):
+    port: int
+    metrics_port: int
+
+
 class ProxyPlan(_Model):
     host: str
     ip: str
@@ -111,6 +116,8 @@ class ProxyPlan(_Model):
     policy: str
     prefill: list[Endpoint]
     decode: list[Endpoint]
+    routers: list[RouterPort] = []  # loopback ports of the router copies behind the proxy port
+    api_key: bool = False  # clients must send the inventory's kimi_api_key_file
 
 
 class PortUse(_Model):
@@ -508,13 +515,17 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         phost = inv.host(inv.cluster.kimi_proxy_host) if inv.cluster.kimi_proxy_host else \
             inv.host(groups["prefill"][0][0].name)
         ports.take(phost.name, topo.proxy.port, topo.proxy.port, "P/D proxy")
+        base, n = topo.proxy.router_port_base or topo.proxy.port + 1, topo.proxy.routers
+        ports.take(phost.name, base, base + 2 * n - 1, f"{n} P/D router(s) behind the proxy")
+        routers = [RouterPort(port=base + 2 * i, metrics_port=base + 2 * i + 1) for i in range(n)]
 
         def endpoints(role: str) -> list[Endpoint]:
             return [Endpoint(host=e.host, ip=e.host_ip, port=e.port, engine=e.id)
                     for e in engines if e.role == role and e.serves_http]
 
         proxy = ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=topo.proxy.router,
-                          policy=topo.proxy.policy, prefill=endpoints("prefill"), decode=endpoints("decode"))
+                          policy=topo.proxy.policy, prefill=endpoints("prefill"), decode=endpoints("decode"),
+                          routers=routers, api_key=inv.cluster.kimi_api_key_file is not None)
 
     return Plan(
         cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,

@@ -19,6 +19,10 @@ from kimictl.resources import templates_dir
 from kimictl.topology import Topology
 
 RENDER_SCHEMA_VERSION = 1
+# Under a host's kimi_state_dir: the proxy front (shipped like the supervisor), its state, the clients' API key.
+PROXY_FRONT = "bin/proxy_front.py"
+PROXY_FRONT_STATE = "run/proxy-front/state.json"
+PROXY_API_KEY = "secrets/proxy-api-key"
 ASCEND_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
 # Host paths the vllm-ascend docs bind into every container (vllm-ascend.md §2), read-only.
 ASCEND_MOUNTS = (
@@ -48,7 +52,9 @@ class RenderedProxy(BaseModel):
     router: str
     prefill: list[dict[str, Any]]
     decode: list[dict[str, Any]]
-    argv: list[str]
+    argv: list[str]  # one router copy's command; kimictl's proxy front adds each copy's loopback ports
+    routers: list[dict[str, int]] = []
+    api_key: bool = False
 
 
 class Rendered(BaseModel):
@@ -82,7 +88,7 @@ class Rendered(BaseModel):
             "proxy": None if self.proxy is None else {
                 "host": self.proxy.host, "host_name": self.proxy.host_name, "port": self.proxy.port,
                 "router": self.proxy.router, "prefill": self.proxy.prefill, "decode": self.proxy.decode,
-                "argv": self.proxy.argv,
+                "argv": self.proxy.argv, "routers": self.proxy.routers, "api_key": self.proxy.api_key,
             },
             "releases": self.releases,
         }
@@ -212,16 +218,30 @@ def container_spec(plan: Plan, inv: Inventory, e: Engine) -> dict[str, Any]:
 
 
 def proxy_argv(plan: Plan, inv: Inventory) -> list[str]:
+    """One router copy's command; the proxy front gives each copy its loopback --host/--port/--prometheus-port."""
     p = plan.proxy
     assert p is not None
     router = shlex.split(inv.host(p.host).kimi_router_command or "vllm-router")
-    argv = [*router, "--host", "0.0.0.0", "--port", str(p.port), "--policy", p.policy,
-            "--vllm-pd-disaggregation"]
+    argv = [*router, "--policy", p.policy, "--vllm-pd-disaggregation"]
     for ep in p.prefill:
         argv += ["--prefill", f"http://{ep.ip}:{ep.port}"]
     for ep in p.decode:
         argv += ["--decode", f"http://{ep.ip}:{ep.port}"]
     return argv
+
+
+def front_argv(plan: Plan, inv: Inventory) -> list[str]:
+    """The proxy process: kimictl's front on the proxy port, the router copies behind it."""
+    p = plan.proxy
+    assert p is not None
+    sd = inv.host(p.host).kimi_state_dir
+    argv = ["python3", f"{sd}/{PROXY_FRONT}", "run", "--listen", f"0.0.0.0:{p.port}", "--state",
+            f"{sd}/{PROXY_FRONT_STATE}"]
+    for r in p.routers:
+        argv += ["--router", f"{r.port}:{r.metrics_port}"]
+    if p.api_key:
+        argv += ["--api-key-file", f"{sd}/{PROXY_API_KEY}"]
+    return [*argv, "--", *proxy_argv(plan, inv)]
 
 
 @functools.cache
@@ -287,12 +307,13 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
     proxy = None
     if plan.proxy:
         p = plan.proxy
-        argv = proxy_argv(plan, inv)
         proxy = RenderedProxy(
             host=p.ip, host_name=p.host, port=p.port, router=p.router,
             prefill=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.prefill],
-            decode=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.decode], argv=argv)
-        files[p.host]["proxy/proxy.sh"] = render_template("proxy.sh.j2", plan=plan, proxy=p, argv=argv)
+            decode=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.decode], argv=proxy_argv(plan, inv),
+            routers=[r.model_dump() for r in p.routers], api_key=p.api_key)
+        files[p.host]["proxy/proxy.sh"] = render_template("proxy.sh.j2", plan=plan, proxy=p,
+                                                          argv=front_argv(plan, inv))
 
     releases: dict[str, str] = {}
     for host, out in files.items():
@@ -308,7 +329,8 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
                 for e in plan.engines if e.host == host
             ],
             "proxy": None if not (plan.proxy and plan.proxy.host == host) else
-            {"port": plan.proxy.port, "command": ["bash", "proxy/proxy.sh"]},
+            {"port": plan.proxy.port, "command": ["bash", "proxy/proxy.sh"], "routers": len(plan.proxy.routers),
+             "api_key": plan.proxy.api_key},
         }
         out["manifest.json"] = render_template("manifest.json.j2", manifest=manifest)
     return Rendered(plan=plan, engines=engines, proxy=proxy, files=files, releases=releases)

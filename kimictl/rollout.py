@@ -27,7 +27,7 @@ from kimictl import health
 from kimictl.deploy import (
     LIVE_STATES,
     ROLLBACK_READY_TIMEOUT_S,
-    SUPERVISOR_SRC,
+    STOP_GRACE_S,
     DeployOptions,
     EngineOps,
     HostObservation,
@@ -515,13 +515,17 @@ class RouterAdmin:
     """Runtime membership of one vllm-router: `GET /workers`, `POST /remove_worker?url=` (static P/D mode and
     IGW mode), `POST /workers {"url", "worker_type"}` (IGW mode only; static P/D mode answers 400)."""
 
-    def __init__(self, url: str, timeout: float = 10.0):
+    def __init__(self, url: str, timeout: float = 10.0, api_key: str | None = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
+        self.api_key = api_key
         self._runtime_add: bool | None = None
 
+    def _call(self, method: str, path: str, body: Any = None) -> tuple[int, str]:
+        return health.http_request(method, f"{self.url}{path}", body, timeout=self.timeout, api_key=self.api_key)
+
     def members(self) -> dict[str, str]:
-        code, text = health.http_request("GET", f"{self.url}/workers", timeout=self.timeout)
+        code, text = self._call("GET", "/workers")
         if code != 200:
             raise RouterError(f"router {self.url}: GET /workers -> {code or 'unreachable'}: {text[:200]}")
         try:
@@ -537,22 +541,20 @@ class RouterAdmin:
             if not members:
                 raise RouterError(f"router {self.url} has no workers; nothing to probe its admin API with")
             url, role = next(iter(members.items()))
-            code, text = health.http_request("POST", f"{self.url}/workers", {"url": url, "worker_type": role},
-                               timeout=self.timeout)
+            code, text = self._call("POST", "/workers", {"url": url, "worker_type": role})
             self._runtime_add = code == 200 and STATIC_PD_ROUTER_MARK not in text
         return self._runtime_add
 
     def remove(self, url: str) -> None:
         quoted = urllib.parse.quote(url, safe=":/")
-        code, text = health.http_request("POST", f"{self.url}/remove_worker?url={quoted}", timeout=self.timeout)
+        code, text = self._call("POST", f"/remove_worker?url={quoted}")
         if code != 200:
             raise RouterError(f"router {self.url}: cannot remove {url}: HTTP {code or 'unreachable'}: {text[:200]}")
         if url in self.members():
             raise RouterError(f"router {self.url} still lists {url} after removing it")
 
     def add(self, url: str, role: str) -> None:
-        code, text = health.http_request("POST", f"{self.url}/workers", {"url": url, "worker_type": role},
-                                         timeout=self.timeout)
+        code, text = self._call("POST", "/workers", {"url": url, "worker_type": role})
         if code != 200 or STATIC_PD_ROUTER_MARK in text:
             raise RouterError(f"router {self.url}: cannot add {role} {url}: HTTP {code or 'unreachable'}: "
                               f"{text[:200]}")
@@ -746,6 +748,7 @@ class Rollout(EngineOps):
         self.reports: dict[str, SliceReport] = {}
         self.proxy_restarts: list[dict[str, Any]] = []
         self.routers: list[RouterAdmin] = []
+        self.own_routers = 0  # the first ones in self.routers: the copies behind kimictl's proxy front
         self.runtime = True
         self.proxy_proc: Proc | None = None
         self.observed: dict[str, HostObservation] = {}
@@ -805,22 +808,27 @@ class Rollout(EngineOps):
             raise HostError("the cluster is not healthy before the rollout: " + ", ".join(x.engine for x in sick)
                             + " do not answer", host=ep.host, step="check", log_tail=self.log_tail(ep.host, ep.engine),
                             hint="fix it first (kimictl status)")
-        assert self.new.proxy is not None
-        urls = [f"http://{self.new.proxy.host}:{self.new.proxy.port}", *self.ro.routers]
-        self.routers = [RouterAdmin(u) for u in dict.fromkeys(urls)]
+        assert self.new.proxy is not None and self.old.proxy is not None
+        base = f"http://{self.new.proxy.host}:{self.new.proxy.port}"
+        # Behind kimictl's proxy front each router copy has its own membership, reached through the front.
+        own = [f"{base}/kimictl/router/{i}" for i in range(len(self.old.proxy.routers))] or [base]
+        self.routers = [RouterAdmin(u, api_key=self.api_key) for u in own]
+        self.routers += [RouterAdmin(u) for u in dict.fromkeys(self.ro.routers) if u not in own]
+        self.own_routers = len(own)
         for i, r in enumerate(self.routers):
             try:
                 runtime = r.supports_runtime_add()
             except RouterError as exc:
                 raise HostError(exc.message, host=self.new.proxy.host_name if i == 0 else None, step="check") from None
-            if not runtime and i > 0:
+            if not runtime and i >= self.own_routers:
                 raise InvalidInput(f"router {r.url} cannot add workers at runtime (static P/D mode); kimictl can only "
                                    "restart the proxy it deployed",
                                    hint="run extra routers with --enable-igw, or leave them out of --router")
             self.runtime = self.runtime and runtime
 
     def _membership(self) -> dict[str, str]:
-        return {r.url: "runtime" if r._runtime_add else "restart" for r in self.routers}
+        return {r.url: "runtime" if r._runtime_add else "reload" if i < self.own_routers and self.front else "restart"
+                for i, r in enumerate(self.routers)}
 
     # --- the run ---------------------------------------------------------------------------------------
 
@@ -828,7 +836,11 @@ class Rollout(EngineOps):
         t_all = time.monotonic()
         a, first, batches, notes = self._prepare()
         self._observe_and_check()
-        if a.touched and not self.runtime:
+        if a.touched and not self.runtime and self.front:
+            notes.append("the proxy's routers (vllm-router, static P/D mode) drop workers at runtime but cannot add "
+                         "them back: each batch ends with a restart of the router copies one at a time behind the "
+                         "proxy port (clients are not refused)")
+        elif a.touched and not self.runtime:
             notes.append(f"the proxy {self.routers[0].url} runs vllm-router in static P/D mode: it drops workers at "
                          "runtime but cannot add them back, so each batch ends with a graceful restart of the proxy "
                          "(in-flight requests finish; new connections are refused for a moment)")
@@ -898,10 +910,8 @@ class Rollout(EngineOps):
         """Unpack the new release next to the running one on every host whose files change (nothing restarts)."""
         if not hosts:
             return
-        spec = {h: {"release": self.new.releases[h], "bundle": str(self._bundle(h))} for h in hosts}
         self.say(f"installing release files on {', '.join(hosts)}")
-        self._playbook("release.yml", {"state_dir_of": self.state_dir_of, "supervisor_src": str(SUPERVISOR_SRC),
-                                       "hosts": spec}, hosts)
+        self.install_release(self.new, hosts)
 
     def _switch(self, releases: dict[str, str]) -> None:
         self._playbook("switch.yml", {"state_dir_of": self.state_dir_of,
@@ -996,11 +1006,30 @@ class Rollout(EngineOps):
         if self.runtime:
             return
         assert self.proxy_proc is not None
-        self._restart_proxy(self.proxy_proc, "re-add " + ", ".join(s.name for s in slices))
-        missing = [ep.url for ep in eps if ep.url not in self.routers[0].members()]
-        if missing:
-            raise HostError(f"the proxy came back without {', '.join(missing)}", host=self.proxy_proc.host,
-                            step="proxy", log_tail=self.log_tail(self.proxy_proc.host, "proxy"))
+        why = "re-add " + ", ".join(s.name for s in slices)
+        if self.front:
+            self._reload_proxy(why)
+        else:
+            self._restart_proxy(self.proxy_proc, why)
+        for r in self.routers[:self.own_routers]:
+            missing = [ep.url for ep in eps if ep.url not in r.members()]
+            if missing:
+                raise HostError(f"router {r.url} came back without {', '.join(missing)}", host=self.proxy_proc.host,
+                                step="proxy", log_tail=self.log_tail(self.proxy_proc.host, "proxy"))
+
+    @property
+    def front(self) -> bool:
+        """The deployed proxy is kimictl's front with router copies behind it (older releases ran one router)."""
+        return bool(self.old.proxy and self.old.proxy.routers)
+
+    def _reload_proxy(self, why: str) -> None:
+        assert self.proxy_proc is not None
+        t0 = time.monotonic()
+        self.say(f"restarting the proxy's routers one at a time ({why})")
+        self._playbook("engines.yml", {"state_dir_of": self.state_dir_of, "grace": STOP_GRACE_S,
+                                       "actions": {self.proxy_proc.host: {"reload_proxy": True}}},
+                       [self.proxy_proc.host])
+        self.proxy_restarts.append({"why": why, "seconds": round(time.monotonic() - t0, 2), "kind": "routers"})
 
     def _restart_proxy(self, proc: Proc, why: str) -> None:
         t0 = time.monotonic()
@@ -1009,7 +1038,7 @@ class Rollout(EngineOps):
                            f"proxy restart ({why})")
         self.wait_ready([proc])
         self.proxy_proc = proc
-        self.proxy_restarts.append({"why": why, "seconds": round(time.monotonic() - t0, 2)})
+        self.proxy_restarts.append({"why": why, "seconds": round(time.monotonic() - t0, 2), "kind": "proxy"})
 
     def _proxy_gate(self, slices: list[Slice], attempts_per_endpoint: int = 8, timeout: float = 120.0,
                     ) -> dict[str, Any]:
@@ -1034,7 +1063,7 @@ class Rollout(EngineOps):
             # A fresh prefix per request, so cache- or prefix-aware policies spread them like round robin does.
             prompt = f"rollout probe {uuid.uuid4().hex}: {health.smoke_prompt(64)}"
             code, body = health.http_post_json(url, {"model": self.served_model_name, "prompt": prompt,
-                                                     "max_tokens": 2}, timeout=60)
+                                                     "max_tokens": 2}, timeout=60, api_key=self.api_key)
             sent += 1
             if code != 200:
                 raise HostError(f"a request through the proxy failed after re-adding "
@@ -1144,7 +1173,7 @@ class Rollout(EngineOps):
         before = {ep.engine: health.metric_totals(ep.ip, ep.port) for ep in eps}
         code, body = health.http_post_json(f"http://{self.new.proxy.host}:{self.new.proxy.port}/v1/completions",
                                            {"model": self.served_model_name, "prompt": health.smoke_prompt(),
-                                            "max_tokens": 8}, timeout=60)
+                                            "max_tokens": 8}, timeout=60, api_key=self.api_key)
         after = {ep.engine: health.metric_totals(ep.ip, ep.port) for ep in eps}
 
         def moved(role: str, metric: str) -> float:

@@ -9,6 +9,7 @@ from typing import Any
 
 from kimictl import ascend, health
 from kimictl.inventory import Inventory
+from kimictl.secret_file import proxy_api_key
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import control_dir
 
@@ -51,6 +52,7 @@ def _engine_metrics(ip: str, port: int) -> dict[str, Any]:
 def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool = True) -> dict[str, Any]:
     """The CONTRACT `status --output json` document (schema_version 1)."""
     probes = _probe(inv, timeout)
+    api_key = proxy_api_key(inv)
     record_path = control_dir(inv.cluster.name) / "current.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else None
     engines: list[dict[str, Any]] = []
@@ -86,11 +88,13 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
         if man.get("proxy"):
             sup = got["supervised"].get("proxy")
             proxy = {"host": h.name, "ip": h.ip, "port": man["proxy"]["port"],
+                     "routers": int(man["proxy"].get("routers", 0)),
                      "state": "stopped" if sup is None else _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")}
 
     def readiness(row: dict[str, Any]) -> None:
         if row["state"] == "starting" and row.get("serves_http", True):
-            ok = health.engine_ready(row["ip"], row["port"], served or "", timeout=3).ok
+            ok = health.engine_ready(row["ip"], row["port"], served or "", timeout=3,
+                                     api_key=api_key if row is proxy else None).ok
             row["state"] = "ready" if ok else "starting"
             if ok:
                 row["metrics"] = _engine_metrics(row["ip"], row["port"])
@@ -106,10 +110,14 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
     pairs: list[dict[str, Any]] = []
     pd = any(r["role"] == "prefill" for r in engines) and any(r["role"] == "decode" for r in engines)
     if pd and proxy and probe_pairs:
-        pairs.append(_pair_probe(engines, proxy, served or ""))
+        pairs.append(_pair_probe(engines, proxy, served or "", api_key))
+    if proxy and proxy["state"] == "ready":
+        proxy["membership"] = _membership(engines, proxy, api_key)
 
     states = [r["state"] for r in engines] + ([proxy["state"]] if proxy else [])
-    if engines and all(s == "ready" for s in states) and all(p["state"] == "ok" for p in pairs) and not drift:
+    members_ok = not proxy or all(not m.get("missing") and "error" not in m for m in proxy.get("membership", []))
+    if (engines and all(s == "ready" for s in states) and all(p["state"] == "ok" for p in pairs) and not drift
+            and members_ok):
         state = "healthy"
     elif not engines or not any(s == "ready" for s in states) or (proxy and proxy["state"] != "ready"):
         state = "down"
@@ -123,7 +131,30 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
             "pairs": pairs, "drift": drift, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: str) -> dict[str, Any]:
+def _membership(engines: list[dict[str, Any]], proxy: dict[str, Any], api_key: str | None) -> list[dict[str, Any]]:
+    """Each router copy behind the proxy against the deployed endpoints: a router that lost one (a drain left
+    behind, a restart with another membership) routes around capacity the plan has."""
+    want = {f"http://{r['ip']}:{r['port']}": r["id"] for r in engines
+            if r["role"] in ("prefill", "decode") and r.get("serves_http")}
+    base = f"http://{proxy['ip']}:{proxy['port']}"
+    urls = [f"{base}/kimictl/router/{i}" for i in range(proxy["routers"])] or [base]
+    out = []
+    for i, url in enumerate(urls):
+        code, text = health.http_get(f"{url}/workers", 5, api_key)
+        try:
+            members = {str(w["url"]).rstrip("/") for w in json.loads(text)["workers"]} if code == 200 else None
+        except (ValueError, KeyError, TypeError):
+            members = None
+        if members is None:
+            out.append({"router": i, "error": f"GET /workers -> {code or 'unreachable'}: {text[:120]}"})
+            continue
+        out.append({"router": i, "members": len(members), "missing": sorted(want[u] for u in set(want) - members),
+                    "unknown": sorted(members - set(want))})
+    return out
+
+
+def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: str,
+                api_key: str | None = None) -> dict[str, Any]:
     """One request through the proxy must move prefill's and decode's KV-transfer counters."""
     pre = [r for r in engines if r["role"] == "prefill" and r["state"] == "ready"]
     dec = [r for r in engines if r["role"] == "decode" and r["state"] == "ready"]
@@ -137,7 +168,7 @@ def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: st
     p0, d0 = totals(pre, health.PREFILL_COUNTER), totals(dec, health.DECODE_COUNTER)
     code, body = health.http_post_json(f"http://{proxy['ip']}:{proxy['port']}/v1/completions",
                                        {"model": served, "prompt": health.smoke_prompt(64), "max_tokens": 2},
-                                       timeout=30)
+                                       timeout=30, api_key=api_key)
     moved_p, moved_d = totals(pre, health.PREFILL_COUNTER) - p0, totals(dec, health.DECODE_COUNTER) - d0
     ok = code == 200 and moved_p > 0 and moved_d > 0
     return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "ok" if ok else "failed",

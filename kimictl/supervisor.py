@@ -10,6 +10,7 @@ import os
 import re
 import select
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -907,6 +908,8 @@ def cmd_status(args):
             if os.path.exists(paths.state):
                 out.append({"name": name, "state": "unreadable"})
             continue
+        if record.get("format") != STATE_FORMAT or record.get("name") != name:
+            continue  # some other program's JSON in the run dir, not a supervisor's state
         alive = is_locked(paths)
         record["alive"] = alive
         if not alive and record.get("state") not in FINAL_STATES:
@@ -1017,9 +1020,59 @@ def daemonize(cfg, paths, lock_fd):
         os.close(r)
 
 
+def use_systemd(choice):
+    """Under systemd (PID 1 is systemd) the supervisor runs as a transient unit: out of the SSH session's scope
+    (logind may kill that on logout), visible to systemctl/journalctl, stopped in order with the machine."""
+    tool = shutil.which("systemd-run") is not None
+    if choice == "yes" and not tool:
+        raise Fail("--systemd yes: systemd-run is not on PATH", EXIT_USAGE)
+    return choice == "yes" or (choice == "auto" and tool and os.path.isdir("/run/systemd/system"))
+
+
+def unit_name(run_dir, name):
+    # The run dir tells apart two kimictl state dirs (clusters) sharing a host.
+    return f"kimi-{name}-{hashlib.sha256(run_dir.encode()).hexdigest()[:8]}"
+
+
+def launch_unit(args, cmd, cfg, paths):
+    """`systemd-run` of this file's foreground `run`; then wait, like daemonize, for the supervisor's report."""
+    run_dir = os.path.dirname(paths.state)
+    argv = [sys.executable, os.path.abspath(__file__), "run", "--name", args.name, "--run-dir", run_dir,
+            "--log", cfg["log"], "--cwd", cfg["cwd"], "--max-log-bytes", str(args.max_log_bytes),
+            "--keep-logs", str(args.keep_logs), "--grace", str(args.grace), "--backoff-min", str(args.backoff_min),
+            "--backoff-max", str(args.backoff_max), "--backoff-reset", str(args.backoff_reset)]
+    for flag, value in (("--env-file", args.env_file and os.path.abspath(args.env_file)), ("--tag", args.tag),
+                        ("--max-restarts", args.max_restarts), ("--restart-window", args.restart_window)):
+        if value is not None:
+            argv += [flag, str(value)]
+    unit = unit_name(run_dir, args.name)
+    # KillMode=mixed: `systemctl stop` SIGTERMs the supervisor alone (it stops the engine its own way), and
+    # SIGKILLs what is left once the supervisor's grace has run out.
+    launcher = ["systemd-run", f"--unit={unit}", "--collect", "--quiet", "--property=KillMode=mixed",
+                f"--property=TimeoutStopSec={int(args.grace + KILL_WAIT + 5)}",
+                f"--setenv=PATH={os.environ.get('PATH', '')}", "--", *argv, "--", *cmd]
+    before = read_json(paths.state) or {}
+    try:
+        res = subprocess.run(launcher, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise Fail(f"{args.name}: systemd-run failed: {e}") from None
+    if res.returncode != 0:
+        raise Fail(f"{args.name}: systemd-run failed ({res.returncode}): {res.stderr.strip()[-500:]}")
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        record = read_json(paths.state)
+        if (record and record.get("supervisor_pid") != before.get("supervisor_pid")
+                and record.get("state") in ("running", "backoff", "failed", "stopped")):
+            record["unit"] = unit
+            return record
+        time.sleep(0.05)
+    return None
+
+
 def cmd_start(args, cmd):
     cfg = build_config(args, cmd)
     cfg["start_timeout"] = args.start_timeout
+    systemd = use_systemd(args.systemd)
     run_dir = os.path.abspath(args.run_dir)
     ensure_run_dir(run_dir)
     paths = Paths(run_dir, args.name)
@@ -1028,7 +1081,11 @@ def cmd_start(args, cmd):
     if lock_fd is None:
         print("unchanged")
         return EXIT_OK
-    record = daemonize(cfg, paths, lock_fd)
+    if systemd:
+        os.close(lock_fd)  # the unit's supervisor takes the lock itself
+        record = launch_unit(args, cmd, cfg, paths)
+    else:
+        record = daemonize(cfg, paths, lock_fd)
     if record is None:
         record = read_json(paths.state)
         print(json.dumps(record, sort_keys=True))
@@ -1089,6 +1146,8 @@ def parser():
     launch_options(sp)
     sp.add_argument("--replace", action="store_true", help="replace a live supervisor running something else")
     sp.add_argument("--start-timeout", type=float, default=60.0, help="wait this long for the spawn report (s)")
+    sp.add_argument("--systemd", choices=("auto", "yes", "no"), default="auto",
+                    help="run the supervisor as a transient systemd unit (auto: when the host runs systemd)")
     sp = sub.add_parser("run", help="supervise ID in the foreground", usage="%(prog)s [options] -- CMD [ARGS...]")
     launch_options(sp)
     sp = sub.add_parser("stop", help="stop ID (or --all): SIGTERM the group, SIGKILL after the grace")

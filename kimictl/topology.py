@@ -73,6 +73,11 @@ class Proxy(_Strict):
     router: Literal["vllm-router"] = "vllm-router"
     port: int = Field(8000, ge=1024, le=65535)
     policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"
+    routers: int = Field(2, ge=1, le=4, description="router copies behind the proxy port; with 2 or more a router "
+                                                    "restart (re-adding drained workers) never refuses a client")
+    router_port_base: int | None = Field(None, ge=1024, le=65000,
+                                         description="first loopback port of the routers (a port and a metrics "
+                                                     "port each); default the proxy port + 1")
 
 
 class Role(_Strict):

@@ -40,9 +40,10 @@ def logs(
     """Tail each engine's and the proxy's log, or collect everything into one redacted tarball."""
     from kimictl.inventory import load_inventory
     from kimictl.logs import Redactor, build_bundle, tail_logs
+    from kimictl.secret_file import proxy_api_key
 
     inv = load_inventory(inventory).limited(host)
-    redactor = Redactor.from_config(secrets_file=secrets_file)
+    redactor = Redactor.from_config(secrets_file=secrets_file, known=filter(None, [proxy_api_key(inv)]))
     err = stderr_console()
     if redactor.skipped_short:
         err.print(f"[yellow]{redactor.skipped_short} configured secret value(s) shorter than 4 characters are not "

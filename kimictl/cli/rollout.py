@@ -31,8 +31,9 @@ def rollout(
                                                "idle before it stops (covers requests still in their prefill "
                                                "elsewhere).")] = 5.0,
     allow_proxy_restart: Annotated[bool, typer.Option(
-        "--allow-proxy-restart", help="Re-add slices by restarting a proxy that cannot add workers at runtime "
-                                      "(static vllm-router P/D mode); clients see refused connections meanwhile.")
+        "--allow-proxy-restart", help="Allow restarting the proxy process itself: a change to its own command "
+                                      "(policy, membership), or a proxy deployed before kimictl's front that must "
+                                      "restart to re-add slices; clients see refused connections meanwhile.")
     ] = False,
     router: Annotated[list[str] | None, typer.Option(
         "--router", metavar="URL", help="Another router in front of the same engines (repeatable); it must add "

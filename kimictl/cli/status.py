@@ -57,12 +57,15 @@ def bench(
     from kimictl.bench import BenchSpec, run_bench
     from kimictl.errors import KimictlError
     from kimictl.inventory import load_inventory
+    from kimictl.secret_file import proxy_api_key
     from kimictl.status import collect_status
 
     inv = load_inventory(inventory)
     st = collect_status(inv, probe_pairs=False)
+    api_key = None
     if st["proxy"] and st["proxy"]["state"] == "ready":
         host, port = st["proxy"]["ip"], st["proxy"]["port"]
+        api_key = proxy_api_key(inv)
     else:
         ready = [e for e in st["engines"] if e["state"] == "ready" and e.get("serves_http")
                  and e["role"] == "colocated"]
@@ -70,7 +73,7 @@ def bench(
             raise KimictlError(f"no serving endpoint is ready (cluster state {st['state']}); see `kimictl status`")
         host, port = ready[0]["ip"], ready[0]["port"]
     spec = BenchSpec(requests, concurrency, input_tokens, output_tokens, timeout, slo_tpot_ms, slo_ttft_ms)
-    doc = run_bench(host, port, st.get("served_model_name") or "", spec).summary()
+    doc = run_bench(host, port, st.get("served_model_name") or "", spec, api_key).summary()
     if output == Output.json:
         emit_json(doc)
     else:

@@ -62,8 +62,10 @@ def plan_view(plan: Plan) -> Group:
     parts: list = [head, inst, eng, mem, sw]
     if plan.proxy:
         p = plan.proxy
-        parts.append(Text.assemble(("P/D proxy ", "bold"), f"{p.router} on {p.host} ({p.ip}:{p.port}), policy "
-                                   f"{p.policy}: {len(p.prefill)} prefill and {len(p.decode)} decode endpoints"))
+        parts.append(Text.assemble(("P/D proxy ", "bold"), f"{p.host} ({p.ip}:{p.port}), {len(p.routers)} {p.router} "
+                                   f"cop{'y' if len(p.routers) == 1 else 'ies'} behind it, policy {p.policy}"
+                                   f"{', API key' if p.api_key else ''}: {len(p.prefill)} prefill and "
+                                   f"{len(p.decode)} decode endpoints"))
     for w in plan.warnings:
         parts.append(Text(f"warning: {w}", style="yellow"))
     return Group(*parts)
@@ -150,6 +152,13 @@ def status_view(doc: dict) -> Group:
         p = doc["proxy"]
         parts.append(Text(f"proxy {p['host']} ({p['ip']}:{p['port']}): {p['state']}",
                           style="green" if p["state"] == "ready" else "bold red"))
+        for m in p.get("membership", []):
+            if "error" in m:
+                parts.append(Text(f"router {m['router']} behind the proxy: {m['error']}", style="bold red"))
+            elif m["missing"] or m["unknown"]:
+                parts.append(Text(f"router {m['router']} behind the proxy lacks {', '.join(m['missing']) or '-'}"
+                                  + (f", lists unknown {', '.join(m['unknown'])}" if m["unknown"] else ""),
+                                  style="yellow"))
     for pair in doc["pairs"]:
         parts.append(Text(f"P/D pair probe: {pair['state']} - {pair.get('detail', '')}",
                           style="green" if pair["state"] == "ok" else "bold red"))

@@ -1,17 +1,16 @@
-"""`kimictl rollout` on a 4-host A3 sandbox (a3-pd = 2P2D) under client load: every slice changes one at a time
-with zero client errors through a router that adds workers at runtime, and a canary that fails its gate is rolled
-back automatically, leaving the cluster healthy on the old release.
+"""`kimictl rollout` on a 4-host A3 sandbox (a3-pd = 2P2D, the proxy behind an API key) under client load: every
+slice changes one at a time with zero client errors, and a canary that fails its gate is rolled back
+automatically, leaving the cluster healthy on the old release.
 
-The proxy kimictl deploys runs vllm-router 0.1.17 in static P/D mode: it drops workers at runtime
-(`/remove_worker`) but cannot add them back (`POST /workers` -> 400 "PD router requires specific
-add_prefill_server or add_decode_server methods"), so re-adding a slice costs a restart of that proxy (refused
-connections for a moment). The zero-error load therefore runs through a second vllm-router 0.1.17 started here in
-IGW mode (`--enable-igw`, runtime membership) in front of the same engines, passed to rollout with `--router`;
-a second load through the deployed proxy checks that its only failures are refused connections while it
-restarts, never an HTTP error from routing to a draining or restarting engine."""
+The proxy kimictl deploys is its front with two vllm-router 0.1.17 copies in static P/D mode behind it: a copy
+drops workers at runtime (`/remove_worker`) but cannot add them back (`POST /workers` -> 400 "PD router requires
+specific add_prefill_server or add_decode_server methods"), so re-adding a slice restarts the copies one at a time
+while the other serves. Loads run through that proxy (fresh and keep-alive connections) and through a vllm-router
+started here in IGW mode (`--enable-igw`, runtime membership) passed with `--router`; none may see an error."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import socket
@@ -20,6 +19,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,11 +43,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict, timeout: float = 60) -> tuple[int, str]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+API_KEY = "sk-rollout-test-4b1d"
+
+
+def _post(url: str, body: dict, timeout: float = 60, api_key: str | None = None) -> tuple[int, str]:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST", headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return r.status, r.read().decode()
+
+
+class KeepAlive:
+    """One persistent HTTP/1.1 connection, as SDK clients (httpx, aiohttp) keep them."""
+
+    def __init__(self, url: str, api_key: str | None):
+        u = urllib.parse.urlsplit(url)
+        self.host, self.port, self.path, self.api_key = u.hostname, u.port, u.path, api_key
+        self.conn: http.client.HTTPConnection | None = None
+
+    def post(self, body: dict) -> tuple[int, str]:
+        if self.conn is None:
+            self.conn = http.client.HTTPConnection(self.host, self.port, timeout=60)
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        try:
+            self.conn.request("POST", self.path, json.dumps(body), headers)
+            r = self.conn.getresponse()
+            return r.status, r.read().decode()
+        except BaseException:
+            self.conn.close()
+            self.conn = None
+            raise
 
 
 @dataclass
@@ -56,6 +85,8 @@ class Load:
 
     url: str
     threads: int
+    api_key: str | None = None
+    keepalive: bool = False
     ok: int = 0
     errors: list[tuple[float, str, str]] = field(default_factory=list)
     first: float | None = None
@@ -66,12 +97,13 @@ class Load:
 
     def _loop(self, k: int) -> None:
         i = 0
+        ka = KeepAlive(self.url, self.api_key) if self.keepalive else None
         while not self._stop.is_set():
             i += 1
             kind, detail = "ok", ""
+            body = {"model": "kimi-k2.5", "prompt": f"client {k} request {i} " * 12, "max_tokens": 16}
             try:
-                code, text = _post(self.url, {"model": "kimi-k2.5", "prompt": f"client {k} request {i} " * 12,
-                                              "max_tokens": 16})
+                code, text = ka.post(body) if ka else _post(self.url, body, api_key=self.api_key)
                 if code != 200 or not json.loads(text).get("choices"):
                     kind, detail = f"http {code}", text[:200]
             except urllib.error.HTTPError as exc:
@@ -81,7 +113,7 @@ class Load:
                 kind, detail = ("refused" if refused else "network"), str(exc.reason)[:200]
                 if refused:
                     time.sleep(0.05)  # a client backs off a little instead of spinning on a closed port
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, http.client.HTTPException) as exc:
                 kind, detail = "network", repr(exc)[:200]
             now = time.time()
             with self._lock:
@@ -116,6 +148,12 @@ def cluster(sandbox_a3_4, tmp_path_factory):
     """a3-pd deployed on the 4-host sandbox (2P2D), plus an IGW-mode vllm-router with every engine registered."""
     sb = sandbox_a3_4
     inv = str(sb.inventory)
+    key_file = tmp_path_factory.mktemp("secrets") / "proxy-api-key"
+    key_file.write_text(API_KEY + "\n")
+    key_file.chmod(0o600)
+    doc = yaml.safe_load(sb.inventory.read_text())
+    doc["all"]["vars"]["kimi_api_key_file"] = str(key_file)
+    sb.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
     dep = kimictl("deploy", "-i", inv, "--topology", "a3-pd", "--yes", "--output", "json")
     assert dep.returncode == 0, dep.stderr[-3000:]
     rendered = json.loads(kimictl("render", "-i", inv, "--topology", "a3-pd", "--output", "json").stdout)
@@ -188,44 +226,47 @@ def test_rollout_of_a_serve_flag_changes_every_slice_with_zero_client_errors(clu
     plan = json.loads(check.stdout)
     assert plan["result"] == "check" and plan["first_role"] == "decode"
     assert plan["batches"] == [["decode-0"], ["decode-1"], ["prefill-0"], ["prefill-1"]]
-    assert plan["membership"] == {f"http://{sb.host('atlas-01')['ip']}:8000": "restart", sb.router: "runtime"}
+    proxy = f"http://{sb.host('atlas-01')['ip']}:8000"
+    assert plan["membership"] == {f"{proxy}/kimictl/router/0": "reload", f"{proxy}/kimictl/router/1": "reload",
+                                  sb.router: "runtime"}
+    # Without the key the proxy answers 401 (vllm-router itself does not check client keys).
+    with pytest.raises(urllib.error.HTTPError) as denied:
+        _post(f"{proxy}/v1/completions", {"model": "kimi-k2.5", "prompt": "x", "max_tokens": 1})
+    assert denied.value.code == 401
 
     before = _supervised(sb)
-    # The deployed proxy cannot re-add a slice without restarting: refused unless the user accepts that.
-    refused = kimictl(*args)
-    assert refused.returncode == 2 and "--allow-proxy-restart" in refused.stdout, refused.stdout[-2000:]
-    assert "Traceback" not in refused.stderr
-    assert {k: v["child_pid"] for k, v in _supervised(sb).items()} == {k: v["child_pid"] for k, v in before.items()}
-
-    through_router = Load(f"{sb.router}/v1/completions", threads=2).start()
-    through_proxy = Load(f"http://{sb.host('atlas-01')['ip']}:8000/v1/completions", threads=1).start()
+    through_router = Load(f"{sb.router}/v1/completions", threads=1).start()
+    through_proxy = Load(f"{proxy}/v1/completions", threads=1, api_key=API_KEY).start()
+    keepalive = Load(f"{proxy}/v1/completions", threads=1, api_key=API_KEY, keepalive=True).start()
     time.sleep(3)
     t0 = time.time()
-    proc = kimictl(*args, "--allow-proxy-restart")
+    proc = kimictl(*args)
     t1 = time.time()
     time.sleep(3)
-    through_router.stop()
-    through_proxy.stop()
+    for load in (through_router, through_proxy, keepalive):
+        load.stop()
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(proc.stdout)
     print(f"\nrollout wall time {t1 - t0:.1f}s; per slice: "
           + ", ".join(f"{s['name']} {s['seconds']}" for s in doc["slices"]))
     print(f"proxy restarts: {doc['proxy_restarts']}")
     print(f"client load through the IGW router: {through_router.ok} ok, errors {through_router.kinds()}")
-    print(f"client load through the deployed proxy: {through_proxy.ok} ok, errors {through_proxy.kinds()}")
+    print(f"client load through the deployed proxy: {through_proxy.ok} ok, errors {through_proxy.kinds()}; "
+          f"keep-alive: {keepalive.ok} ok, errors {keepalive.kinds()}")
 
     assert doc["result"] == "rolled-out" and doc["batches"] == plan["batches"]
     assert [s["result"] for s in doc["slices"]] == ["rolled-out"] * 4
     assert all(len(s["probes"]) == len([e for e in s["engines"]]) and all(p["ok"] for p in s["probes"])
                for s in doc["slices"])
-    # zero errors through the router with runtime membership, and it kept serving during the whole rollout
-    assert through_router.errors == [], through_router.errors[:5]
-    assert through_router.ok >= 100 and through_router.first < t0 + 5 and through_router.last > t1 - 5
-    # the deployed proxy: refused connections while it restarts, never an HTTP error
-    assert [e for e in through_proxy.errors if e[1] != "refused"] == [], through_proxy.errors[:5]
-    assert len(doc["proxy_restarts"]) == 4
+    # zero errors on every load, and each kept being served during the whole rollout
+    for load in (through_router, through_proxy, keepalive):
+        assert load.errors == [], load.errors[:5]
+        assert load.ok >= 50 and load.first < t0 + 5 and load.last > t1 - 5
+    # each batch re-added its slice by restarting the router copies, never the proxy port
+    assert [r["kind"] for r in doc["proxy_restarts"]] == ["routers"] * 4
 
     after = _supervised(sb)
+    assert after["atlas-01:proxy"]["child_pid"] == before["atlas-01:proxy"]["child_pid"]
     engines = [k for k in before if not k.endswith(":proxy")]
     assert len(engines) == 12
     assert all(after[k]["child_pid"] != before[k]["child_pid"] and after[k]["tag"] != before[k]["tag"]
@@ -239,6 +280,7 @@ def test_rollout_of_a_serve_flag_changes_every_slice_with_zero_client_errors(clu
     assert Path(current["run_dir"], "topology.yml").exists()
     code, st = _status(sb)
     assert code == 0 and st["state"] == "healthy" and st["drift"] == [] and st["release"] == doc["release"]
+    assert [(m["router"], m["members"], m["missing"]) for m in st["proxy"]["membership"]] == [(0, 12, []), (1, 12, [])]
 
     again = kimictl("rollout", "-i", inv, "--router", sb.router, "--yes", "--output", "json")
     assert again.returncode == 0 and json.loads(again.stdout)["result"] == "no-changes", again.stderr[-2000:]
@@ -248,7 +290,7 @@ def test_a_canary_that_fails_its_gate_is_rolled_back(cluster) -> None:
     sb = cluster
     inv = str(sb.inventory)
     args = ["rollout", "-i", inv, "--set", "decode.serve.max-num-seqs=12", "--router", sb.router,
-            "--allow-proxy-restart", "--yes", "--output", "json"]
+            "--yes", "--output", "json"]
     plan = json.loads(kimictl(*args, "--check").stdout)
     canary = next(s for s in plan["slices"] if s["canary"])
     host = canary["hosts"][0]
@@ -257,7 +299,7 @@ def test_a_canary_that_fails_its_gate_is_rolled_back(cluster) -> None:
 
     # The new release crashes at start on the canary's host (engine-crash spares the tags running now).
     sb.fault(f"engine-crash:{host}:{canary['role']}")
-    load = Load(f"{sb.router}/v1/completions", threads=2).start()
+    load = Load(f"http://{sb.host('atlas-01')['ip']}:8000/v1/completions", threads=2, api_key=API_KEY).start()
     try:
         proc = kimictl(*args)
     finally:
@@ -279,3 +321,21 @@ def test_a_canary_that_fails_its_gate_is_rolled_back(cluster) -> None:
     assert {k: v["tag"] for k, v in _supervised(sb).items()} == tags_before
     code, st = _status(sb)
     assert code == 0 and st["state"] == "healthy" and st["drift"] == [] and st["release"] == current_before
+
+
+def test_the_api_key_stays_out_of_files_logs_and_bundles(cluster, tmp_path) -> None:
+    sb = cluster
+    key_file = sb.ssh("atlas-01", f"stat -c '%a %U' {SD}/secrets/proxy-api-key; cat {SD}/secrets/proxy-api-key")
+    assert key_file.stdout.split("\n")[:2] == ["600 root", API_KEY]
+    for h in sb.hosts:  # releases, supervisor states, logs, the front's state
+        hits = sb.ssh(h, f"grep -rl -- {API_KEY} {SD}/releases {SD}/run {SD}/logs {SD}/current/ 2>/dev/null")
+        assert hits.stdout.strip() == "", (h, hits.stdout)
+    control = subprocess.run(["grep", "-rl", "--", API_KEY, str(_state_dir(sb))], capture_output=True, text=True,
+                             check=False)
+    assert control.stdout.strip() == "", control.stdout
+    bundle = tmp_path / "bundle.tar.gz"
+    res = kimictl("logs", "-i", str(sb.inventory), "--bundle", str(bundle))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert subprocess.run(["zgrep", "-c", "-a", "--", API_KEY, str(bundle)], capture_output=True, text=True,
+                          check=False).stdout.strip() == "0"
+    assert API_KEY not in res.stdout + res.stderr

@@ -71,3 +71,21 @@ def test_limit_restricts_hosts() -> None:
     assert [h.name for h in inv.limited(["a2-node-02"]).hosts] == ["a2-node-02"]
     with pytest.raises(InventoryError, match="a2-node-9"):
         inv.limited(["a2-node-9"])
+
+
+def test_api_key_file_must_be_private_and_not_empty(tmp_path) -> None:
+    from kimictl.errors import InvalidInput
+    from kimictl.secret_file import read_secret_file
+
+    f = tmp_path / "key"
+    f.write_text("sk-1234\n")
+    f.chmod(0o644)
+    with pytest.raises(InvalidInput, match="readable by others"):
+        read_secret_file(f, "all.vars.kimi_api_key_file")
+    f.chmod(0o600)
+    assert read_secret_file(f, "all.vars.kimi_api_key_file") == "sk-1234"
+    f.write_text("\n")
+    with pytest.raises(InvalidInput, match="is empty"):
+        read_secret_file(f, "all.vars.kimi_api_key_file")
+    with pytest.raises(InvalidInput, match="all.vars.kimi_api_key_file .*/missing"):
+        read_secret_file(tmp_path / "missing", "all.vars.kimi_api_key_file")

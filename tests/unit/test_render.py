@@ -165,3 +165,40 @@ def test_argv_lines_quotes_hostile_values() -> None:
     argv = ["vllm", "serve", "/m", "--x", "a b; rm -rf /", "--y", "$(reboot)", "--j", '{"k":"v w"}']
     line = argv_lines(argv).replace("\\\n", " ")
     assert shlex.split(line) == argv
+
+
+def test_proxy_front_with_api_key_renders_the_key_path_never_the_key(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("sk-never-rendered\n")
+    key.chmod(0o600)
+    text = (ROOT / "inventories" / "a3-pd.yml").read_text().replace(
+        "  vars:\n", f"  vars:\n    kimi_api_key_file: {key}\n", 1)
+    inv_path = tmp_path / "inv.yml"
+    inv_path.write_text(text)
+    r = _render("a3-pd", inv_path)
+    script = r.files["a3-node-01"]["proxy/proxy.sh"]
+    argv = shlex.split(script.split("exec ", 1)[1].replace("\\\n", " "))
+    front, router = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    assert front[:3] == ["python3", "/var/lib/kimi/bin/proxy_front.py", "run"]
+    assert front[front.index("--api-key-file") + 1] == "/var/lib/kimi/secrets/proxy-api-key"
+    assert [front[i + 1] for i, a in enumerate(front) if a == "--router"] == ["8001:8002", "8003:8004"]
+    # Each copy gets its loopback --host/--port from the front; the rendered router command carries none.
+    assert router[0] == "vllm-router" and "--port" not in router and "--host" not in router
+    assert r.contract()["proxy"]["api_key"] is True
+    assert json.loads(r.files["a3-node-01"]["manifest.json"])["proxy"]["routers"] == 2
+    assert not any("sk-never-rendered" in t for files in r.files.values() for t in files.values())
+    assert "sk-never-rendered" not in r.model_dump_json()
+
+
+def test_router_ports_follow_the_proxy_port_and_collisions_are_named(tmp_path: Path) -> None:
+    from kimictl.errors import PlanError
+    from kimictl.topology import Proxy
+
+    inv = load_inventory(ROOT / "inventories" / "a3-pd.yml")
+    topo = load_topology("a3-pd")
+    moved = topo.model_copy(update={"proxy": Proxy(port=9000, routers=3)})
+    assert [(p.port, p.metrics_port) for p in make_plan(inv, moved).proxy.routers] == [(9001, 9002), (9003, 9004),
+                                                                                      (9005, 9006)]
+    clash = topo.model_copy(update={"proxy": Proxy(port=9000, router_port_base=7101)})
+    with pytest.raises(PlanError, match=r"P/D router\(s\) behind the proxy \(ports 7101-7104\) collides with"):
+        make_plan(inv, clash)

@@ -191,6 +191,38 @@ def test_start_returns_at_once_and_detaches(h: Harness) -> None:
     assert st["state"] == "running" and st["alive"] is True and st["child_alive"] is True
 
 
+def test_under_systemd_the_supervisor_is_a_transient_unit(h: Harness, monkeypatch) -> None:
+    bin_dir = h.tmp / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "systemd-run").symlink_to(Path(__file__).parent / "data" / "fake_systemd_run.sh")
+    launched = h.tmp / "systemd-run.args"
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SYSTEMD_RUN_LOG", str(launched))
+    doc = h.started(SLEEPER, "--tag", "rel-1", "--grace", "3", "--systemd", "yes")
+    args = launched.read_text().splitlines()
+    unit = sv.unit_name(str(h.run_dir), "eng")
+    assert doc["unit"] == unit and f"--unit={unit}" in args
+    assert {"--collect", "--property=KillMode=mixed", f"--property=TimeoutStopSec={3 + int(sv.KILL_WAIT) + 5}"} <= set(args)
+    # The unit runs this supervisor in the foreground with the same settings, then the command.
+    cut = args.index("--")
+    assert args[cut + 2:cut + 4] == [str(SUP), "run"] and args[-1] == h.marker
+    assert args[args.index("--tag") + 1] == "rel-1" and args[args.index("--grace") + 1] == "3.0"
+    assert ppid_of(doc["child_pid"]) == doc["supervisor_pid"]
+    # Same state, status and stop as without systemd; starting again is a no-op.
+    assert h.start(SLEEPER, "--tag", "rel-1", "--grace", "3", "--systemd", "yes").stdout.strip() == "unchanged"
+    (st,) = h.status()
+    assert st["state"] == "running" and st["tag"] == "rel-1"
+    assert h.stop().returncode == 0
+    wait_gone(doc["child_pid"], doc["supervisor_pid"])
+    assert h.status()[0]["state"] == "stopped"
+
+
+def test_systemd_yes_without_systemd_run_is_a_usage_error(h: Harness, monkeypatch) -> None:
+    monkeypatch.setenv("PATH", str(h.tmp))
+    r = h.start(SLEEPER, "--systemd", "yes")
+    assert r.returncode == 2 and "systemd-run is not on PATH" in r.stderr
+
+
 def test_env_file_and_cwd_reach_the_child(h: Harness) -> None:
     env_file = h.tmp / "eng.env"
     env_file.write_text(
@@ -370,6 +402,12 @@ def test_status_reports_dead_and_stop_cleans_up_the_orphan(h: Harness) -> None:
     assert r.returncode == 0 and "supervisor was dead" in r.stdout, r.stdout
     wait_gone(doc["child_pid"])
     assert h.status()[0]["state"] == "stopped"
+
+
+def test_status_ignores_other_programs_json_in_the_run_dir(h: Harness) -> None:
+    h.started(SLEEPER)
+    (h.run_dir / "front.json").write_text(json.dumps({"pid": 1, "routers": []}))
+    assert [s["name"] for s in h.status()] == ["eng"]
 
 
 def test_restart_after_a_dead_supervisor_replaces_its_orphan(h: Harness) -> None:

@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# P/D proxy for cluster kimi-a3 on a3-node-01: one --prefill/--decode URL per DP-rank endpoint.
-# Rendered by kimictl; do not edit.
+# P/D proxy for cluster kimi-a3 on a3-node-01: kimictl's front on port 8000
+# (no API key), 2 vllm-router copies behind it with one --prefill/--decode URL per
+# DP-rank endpoint. Rendered by kimictl; do not edit.
 set -euo pipefail
-exec vllm-router --host 0.0.0.0 \
-  --port 8000 \
+exec python3 /var/lib/kimi/bin/proxy_front.py run \
+  --listen 0.0.0.0:8000 \
+  --state /var/lib/kimi/run/proxy-front/state.json \
+  --router 8001:8002 \
+  --router 8003:8004 \
+  -- vllm-router \
   --policy round_robin \
   --vllm-pd-disaggregation \
   --prefill http://192.168.10.11:7100 \

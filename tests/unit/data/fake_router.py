@@ -1,0 +1,104 @@
+"""A stand-in for vllm-router in the proxy front's tests: parses the flags the front gives it (the last one wins,
+like argparse), answers /health, /workers, /whoami and /v1/completions (slowly with ?slow, streamed with
+"stream": true), and on SIGTERM stops listening and finishes in-flight requests, as vllm-router does.
+With FAKE_ROUTER_FAIL_FILE set and that file present it exits at once (a router that cannot start); with
+FAKE_ROUTER_DROP_EVERY=N it closes a keep-alive connection without an answer on every Nth request (the race of a
+router closing an idle connection just as a request arrives)."""
+
+import argparse
+import http.server
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--host", default="127.0.0.1")
+ap.add_argument("--port", type=int, default=30000)
+ap.add_argument("--prometheus-port", type=int)
+ap.add_argument("--policy")
+args, _ = ap.parse_known_args()
+
+DROP_EVERY = int(os.environ.get("FAKE_ROUTER_DROP_EVERY", "0"))
+fail = os.environ.get("FAKE_ROUTER_FAIL_FILE")
+if fail and os.path.exists(fail):
+    sys.exit(3)
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    timeout = 0.5  # idle keep-alive connections close soon, as a shutting-down vllm-router closes them at once
+
+    def log_message(self, *a):
+        pass
+
+    def reply(self, code, doc):
+        body = json.dumps(doc).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        if stopping.is_set():
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_HEAD(self):
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_GET(self):
+        if self.path == "/health":
+            self.reply(200, {"ok": True})
+        elif self.path == "/workers":
+            self.reply(200, {"workers": [{"url": "http://10.0.0.1:7100", "worker_type": "prefill"}]})
+        elif self.path.startswith("/whoami"):
+            self.reply(200, {"port": args.port, "pid": os.getpid(), "path": self.path,
+                             "auth": self.headers.get("Authorization")})
+        else:
+            self.reply(404, {"error": self.path})
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.served = getattr(self, "served", 0) + 1
+        if DROP_EVERY and self.served % DROP_EVERY == 0:
+            self.close_connection = True
+            return
+        doc = json.loads(body or b"{}")
+        if "slow" in self.path:
+            time.sleep(1.0)
+        if doc.get("stream"):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(3):
+                data = f"data: {json.dumps({'choices': [{'text': str(i)}]})}\n\n".encode()
+                self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                self.wfile.flush()
+                time.sleep(0.05)
+            self.wfile.write(b"0\r\n\r\n")
+            return
+        self.reply(200, {"choices": [{"text": f"router {args.port}"}], "echo_bytes": len(body)})
+
+
+class Server(http.server.ThreadingHTTPServer):
+    daemon_threads = False
+    block_on_close = True
+
+
+stopping = threading.Event()
+server = Server((args.host, args.port), Handler)
+
+
+def on_term(signum, frame):
+    stopping.set()
+    threading.Thread(target=server.shutdown).start()
+
+
+signal.signal(signal.SIGTERM, on_term)
+server.serve_forever()
+server.server_close()  # stop listening; block_on_close joins the in-flight request threads
