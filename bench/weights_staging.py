@@ -3,9 +3,12 @@
 Every host link is shaped by tc (the sandbox's slow-link fault: both directions of the host's veth) and the
 fake hub's egress by its server-wide token bucket, both at --rate. Ways:
   naive    every host pulls the whole checkpoint from the hub with the real client, all at once
-  kimictl  `kimictl weights pull`: a disjoint share per host from the hub, then peer-to-peer all-gather
+  kimictl  `kimictl weights pull`: disjoint shares from the hub (the next file to whichever host's hub pull is
+           free), and a peer-to-peer all-gather meanwhile
   limit    max(S / B_hub, S / B_link): the hub must send S once, and each host must receive S
-Also: verify throughput against cores x the single-core sha256 rate measured here, and what stamps save.
+Also: where the pull's time went (from its timeline, runs/<stamp>-weights/timeline.jsonl) and how busy this
+machine's CPUs were meanwhile (all simulated hosts share them); verify throughput against cores x the
+single-core sha256 rate measured here, and what stamps save.
 """
 
 from __future__ import annotations
@@ -71,6 +74,24 @@ def sha256_rate() -> float:
     return len(buf) / (time.perf_counter() - t0)
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU time of the whole machine so far, from /proc/stat."""
+    v = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(v) - v[3] - v[4], sum(v)
+
+
+def phases(state: Path, launched: float) -> dict[str, float]:
+    """Seconds after launch: first hub progress, peer key in place, hub done, last host complete."""
+    recs = [json.loads(x) for x in next(state.rglob("timeline.jsonl")).read_text().splitlines()]
+    hub_paths = {(r["host"], p) for r in recs if r["ev"] == "hub" for p in r["paths"]}
+    at = {"hub start": min(r["t"] for r in recs if r["ev"] in ("progress", "done")
+                           and (r["host"], r["path"]) in hub_paths),
+          "peers ready": min((r["t"] for r in recs if r["ev"] == "prepared"), default=float("nan")),
+          "hub done": max(r["t"] for r in recs if r["ev"] == "done" and r["via"] == "hub"),
+          "complete": max(r["t"] for r in recs if r["ev"] == "complete")}
+    return {k: v - launched for k, v in at.items()}
+
+
 def run(n: int, size_mib: int, files: int, rate_mbit: int, skip_naive: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="kimictl-bench-", dir="/var/tmp") as tmp:
         d = Path(tmp) / "sb"
@@ -91,7 +112,10 @@ def run(n: int, size_mib: int, files: int, rate_mbit: int, skip_naive: bool) -> 
             b_hub = b_link = rate_mbit * 1e6 / 8
             limit = max(size / b_hub, size / b_link)
             t_naive = None if skip_naive else naive(d, hosts, inv)
+            launched, cpu0 = time.time(), cpu_jiffies()
             t_kimi, doc = kimictl(env, "weights", "pull", "-i", str(d / "inventory.yml"))
+            cpu1, load = cpu_jiffies(), os.getloadavg()[0]
+            at = phases(Path(tmp) / "state", launched)
             assert doc["ok"], doc
             hub_share = sum(h["received"].get("hub", 0) for h in doc["hosts"])
             t_full, full = kimictl(env, "weights", "verify", "-i", str(d / "inventory.yml"), "--full")
@@ -108,6 +132,11 @@ def run(n: int, size_mib: int, files: int, rate_mbit: int, skip_naive: bool) -> 
         print(f"naive (every host pulls all):          {t_naive:7.1f} s  ratio {t_naive / limit:.2f}")
     print(f"kimictl weights pull (sharded):        {t_kimi:7.1f} s  ratio {t_kimi / limit:.2f}  (target <= 1.2)")
     print(f"  hub sent {hub_share / 2**20:.0f} MiB to hosts (1x the checkpoint); the rest went peer to peer")
+    print(f"  timeline: hub under way {at['hub start']:.1f} s, peer key in place {at['peers ready']:.1f} s, hub done "
+          f"{at['hub done']:.1f} s (hub busy {size / b_hub / (at['hub done'] - at['hub start']):.0%}), last host "
+          f"complete {at['complete']:.1f} s")
+    busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
+    print(f"  this machine's {os.cpu_count()} cores were {busy:.0%} busy during the pull (1-min load {load:.1f})")
     print(f"verify --full: {read / 2**20:.0f} MiB on {n} hosts at once, {t_full:.1f} s wall; hashing took "
           f"{per_host:.2f} s on the slowest host = {read / per_host / 2**20:.0f} MiB/s in aggregate, against this "
           f"machine's {cores} cores x {one / 2**20:.0f} MiB/s single-core sha256 = {cores * one / 2**20:.0f} MiB/s")

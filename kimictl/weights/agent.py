@@ -14,38 +14,17 @@ On-disk protocol inside the model directory (never served, since hubs skip dot-n
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
 import os
-import re
-import shlex
-import shutil
-import signal
-import subprocess
 import sys
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-STAGING = ".kimi-staging"
-STAMPS = ".kimi-stamps.json"
-MARKER = ".kimi-complete"
-LOCK = ".kimi-lock"
-BLOCK = 8 << 20
-PROGRESS_EVERY_S = 0.5
-# AES-GCM runs on AES-NI / ARMv8 crypto at several GB/s; chacha20 is the fallback for CPUs without them
-FAST_CIPHERS = ["-o", "Ciphers=aes128-gcm@openssh.com,chacha20-poly1305@openssh.com,aes128-ctr"]
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_RSYNC_OPT = re.compile(r"^(-[A-Za-z.]+|--timeout=\d+)$")
+_RSYNC_OPT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz.")
 
 
 def unsafe_name(path: str) -> str | None:
     """Why a repo-relative path may not be written under the model directory, or None when it is safe."""
     if not path:
         return "empty name"
-    if _CONTROL.search(path):
+    if any(c < " " or c == "\x7f" for c in path):
         return "control character"
     if "\\" in path:
         return "backslash"
@@ -61,6 +40,63 @@ def unsafe_name(path: str) -> str | None:
     if any(len(p.encode()) > 255 for p in parts):
         return "component longer than 255 bytes"
     return None
+
+
+def _rsync_opt_ok(opt: str) -> bool:
+    """-[A-Za-z.]+ (rsync's single-letter flags and -e.xyz capabilities) or --timeout=N."""
+    if opt.startswith("--timeout="):
+        return opt[10:].isascii() and opt[10:].isdigit()
+    return len(opt) > 1 and opt[0] == "-" and set(opt[1:]) <= _RSYNC_OPT_CHARS
+
+
+def rsync_serve(model_dir: str) -> int:
+    """Forced command of the peer key: only `rsync --server --sender` of relative names inside model_dir."""
+    cmd = os.environ.get("SSH_ORIGINAL_COMMAND", "")
+    if any(c in cmd for c in "\\'\""):   # rsync escaped a name: let shlex undo it exactly
+        import shlex
+        words = shlex.split(cmd)
+    else:
+        words = cmd.replace("\t", " ").replace("\r", " ").replace("\n", " ").split(" ")
+        words = [w for w in words if w]
+    if words[:3] != ["rsync", "--server", "--sender"] or "." not in words:
+        sys.stderr.write("kimi weights: this key only serves read-only rsync of the model directory\n")
+        return 1
+    dot = words.index(".")
+    opts, paths = words[3:dot], words[dot + 1:]
+    bad = [o for o in opts if not _rsync_opt_ok(o)] + [p for p in paths if unsafe_name(p)]
+    if bad or not paths:
+        sys.stderr.write(f"kimi weights: refused rsync arguments {bad or ['(no path)']}\n")
+        return 1
+    os.chdir(model_dir)
+    os.execvp("rsync", words)
+    return 1  # pragma: no cover
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["rsync-serve"] and len(sys.argv) == 3:
+    # the forced command runs once per peer transfer: serve before importing the rest (~100 ms of CPU each)
+    sys.exit(rsync_serve(sys.argv[2]))
+
+import fcntl  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+STAGING = ".kimi-staging"
+STAMPS = ".kimi-stamps.json"
+MARKER = ".kimi-complete"
+LOCK = ".kimi-lock"
+BLOCK = 8 << 20
+PROGRESS_EVERY_S = 0.5
+# AES-GCM runs on AES-NI / ARMv8 crypto at several GB/s; chacha20 is the fallback for CPUs without them
+FAST_CIPHERS = ["-o", "Ciphers=aes128-gcm@openssh.com,chacha20-poly1305@openssh.com,aes128-ctr"]
 
 
 def try_lock(path: Path, holder: dict, mode: int = 0o644) -> tuple[int | None, dict]:
@@ -249,8 +285,8 @@ class Agent:
 
     # --- sources ---------------------------------------------------------------------------------------
     def op_hub(self, op: dict) -> None:
-        """Pull these files from the hub, one after another, with the real client library."""
-        if op.get("token"):
+        """Pull these files from the hub, one after another, with the real client library (own thread)."""
+        if op.get("token") and op["token"] not in self.secrets:   # one op per file
             self.secrets.append(op["token"])
         threading.Thread(target=self._hub_files, args=(op,), daemon=True).start()
 
@@ -483,23 +519,6 @@ def run_rsync(cmd: list[str], on_bytes, children: set | None = None, names: list
     finally:
         if children is not None:
             children.discard(proc)
-
-
-def rsync_serve(model_dir: str) -> int:
-    """Forced command of the peer key: only `rsync --server --sender` of relative names inside model_dir."""
-    words = shlex.split(os.environ.get("SSH_ORIGINAL_COMMAND", ""))
-    if words[:3] != ["rsync", "--server", "--sender"] or "." not in words:
-        sys.stderr.write("kimi weights: this key only serves read-only rsync of the model directory\n")
-        return 1
-    dot = words.index(".")
-    opts, paths = words[3:dot], words[dot + 1:]
-    bad = [o for o in opts if not _RSYNC_OPT.match(o)] + [p for p in paths if unsafe_name(p)]
-    if bad or not paths:
-        sys.stderr.write(f"kimi weights: refused rsync arguments {bad or ['(no path)']}\n")
-        return 1
-    os.chdir(model_dir)
-    os.execvp("rsync", words)
-    return 1  # pragma: no cover
 
 
 def main(argv: list[str]) -> int:

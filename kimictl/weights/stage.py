@@ -1,9 +1,10 @@
 """Stage the checkpoint on every host: sharded hub pull + peer all-gather, control push, shared verify.
 
 The control node computes and schedules; one agent per host (kimictl/weights/agent.py, over one SSH channel)
-moves and verifies bytes. Each host first pulls a disjoint, size-balanced share from the hub; every file a
-host has verified becomes a source for the others at once (rarest first, bounded streams per host, so a file
-fans out through a tree of hosts rather than from its first owner alone). Ansible installs the run's peer key
+moves and verifies bytes. The hosts pull disjoint shares from the hub, each taking the next file from one queue
+whenever its hub pull is free; every file a host has verified becomes a source for the others at once (rarest
+first, bounded streams per host, so a file fans out through a tree of hosts rather than from its first owner
+alone). Ansible installs the run's peer key
 (playbooks/weights.yml); the agents remove it when every host is complete, the playbook's cleanup otherwise.
 """
 
@@ -40,6 +41,7 @@ DEFAULT_STREAMS = 4
 MAX_TRIES = 3
 STALL_S = 180.0
 BATCH_BYTES = 32 << 20   # small files share one rsync stream; big ones (real shards are GBs) go alone
+TIMELINE_PROGRESS_S = 2.0   # a file's progress goes into the run's timeline at most this often (runs last hours)
 HUB_STREAMS = 1   # per host; two made files complete in bursts and lengthened the tail (bench/weights_staging.py)
 TOKEN_ENV = {"modelscope": ("MODELSCOPE_API_TOKEN",), "huggingface": ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
 
@@ -274,6 +276,17 @@ class Stager:
         self.run_dir = control_dir(self.c.name) / "runs" / f"{stamp}-weights"
         self.key_comment = f"kimictl-weights:{self.c.name}"
         self.prepared = self.cleaned = False
+        self.timeline: list[dict[str, Any]] = []   # what moved when: runs/<stamp>-weights/timeline.jsonl
+
+    def _mark(self, what: str, host: str | None = None, **kw: Any) -> None:
+        self.timeline.append({"t": round(time.time(), 3), "ev": what, "host": host, **kw})
+
+    def _write_timeline(self) -> None:
+        if not self.timeline:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.run_dir / "timeline.jsonl", "w") as f:
+            f.writelines(json.dumps(x) + "\n" for x in self.timeline)
 
     # --- agents --------------------------------------------------------------------------------------
     def _open(self, sessions: Sessions, mode: str, pull: bool, invalidate: bool = False) -> dict[str, dict]:
@@ -351,6 +364,7 @@ class Stager:
     # --- pull ----------------------------------------------------------------------------------------
     def pull(self) -> WeightsResult:
         t0 = time.monotonic()
+        self._mark("start")
         with cluster_lock(self.c.name, "weights pull"), \
                 Sessions(self.inv, accept_new_keys=self.opts.accept_new_host_keys) as sessions:
             if sessions.errors():
@@ -359,6 +373,7 @@ class Stager:
             try:
                 shared = self.opts.mode == "shared"
                 states = self._open(sessions, "full" if self.opts.full else "stamps", pull=not shared)
+                self._mark("hello")
                 for host, st in states.items():
                     self._fill(host, st)
                 todo = [h for h, st in states.items() if not st["complete"]]
@@ -372,6 +387,8 @@ class Stager:
                 self._close()
                 if self.prepared:
                     self._cleanup()
+                self._mark("end")
+                self._write_timeline()
         return WeightsResult("pull", self.c.name, self.digest, self.m.total_bytes, list(self.reports.values()),
                              time.monotonic() - t0, self.warnings, changed=self.prepared)
 
@@ -459,16 +476,15 @@ class Stager:
             for p in self.order:
                 holders[p].add("@control")
         missing_everywhere = [p for p in self.order if not holders[p]]
-        hub_share = _balance(missing_everywhere, self.size, hosts)
+        hubq = HubQueue([] if control else missing_everywhere, self.size)
         recv: dict[str, dict[str, str]] = {h: {} for h in hosts}       # host -> path -> source in flight
         sends: dict[str, int] = {h: 0 for h in [*hosts, "@control"]}   # streams out of each holder
         streams_in: dict[str, int] = {h: 0 for h in hosts}
         batch: dict[tuple[str, str], list[str]] = {}   # (host, path) -> the paths that share its stream
-        hub_left = {h: set(ps) for h, ps in hub_share.items()}
-        hub_lanes: dict[str, list[set[str]]] = {h: [] for h in hosts}   # files still due on each hub stream
         tries: dict[tuple[str, str], int] = {}
         avoid: dict[tuple[str, str], set[str]] = {}
         inflight_bytes: dict[tuple[str, str], int] = {}
+        marked: dict[tuple[str, str], float] = {}   # (host, path) -> when its progress went into the timeline
         done_bytes = {h: sum(self.size[p] for p in have[h]) for h in hosts}
         completed = {h for h, st in states.items() if st["complete"]}   # left untouched
         finishing = set(completed)
@@ -478,22 +494,14 @@ class Stager:
             self.r.progress(h, done_bytes[h])
         self.r.say(f"weights: {len(missing_everywhere)} file(s) from "
                    f"{'this machine' if control else 'the hub'}, then peer to peer across {len(hosts)} host(s)")
-        for h, ps in hub_share.items():
-            if ps and not control:
-                # HUB_STREAMS pulls per host: a single one loses the host's link to its own peer streams, and
-                # then the hub - the one source of new bytes - idles below its rate
-                for lane in range(HUB_STREAMS):
-                    if part := ps[lane::HUB_STREAMS]:
-                        hub_lanes[h].append(set(part))
-                        self._hub(h, part, lane)
         if len(hosts) > 1:
             self._prepare_async()
 
         def slots(h: str) -> int:
-            return self.opts.streams - streams_in[h] - sum(1 for lane in hub_lanes[h] if lane)
+            return self.opts.streams - streams_in[h] - len(hubq.pulling(h))
 
         def wanted(h: str, p: str) -> bool:
-            return p not in have[h] and p not in recv[h] and not (p in hub_left[h] and not control)
+            return p not in have[h] and p not in recv[h] and p not in hubq.pulling(h)
 
         def landed(h: str, p: str) -> str | None:
             """p left host h's stream (done or failed); the stream's slots free up with its last file."""
@@ -506,6 +514,9 @@ class Stager:
             return src
 
         def dispatch() -> None:
+            for h in sorted(hosts, key=lambda x: streams_in[x]):   # the hub first: the one source of new bytes
+                while (took := hubq.take(h)) is not None:
+                    self._hub(h, [took[0]], took[1])
             for h in sorted(hosts, key=lambda x: len(have[x])):
                 while slots(h) > 0:
                     best = None
@@ -535,13 +546,14 @@ class Stager:
                         batch[(h, q)] = group
                     sends[src] += 1
                     streams_in[h] += 1
+                    self._mark("fetch", h, src=src, paths=list(group))
                     if src == "@control":
                         threading.Thread(target=self._push, args=(h, p), daemon=True).start()
                     else:
                         kd = f"{self.state_dir[h]}/weights"
                         self.links[h].send({"op": "fetch", "paths": group, "peer": _peer(self.targets[src]),
                                             "key": f"{kd}/peer_key", "known_hosts": f"{kd}/known_hosts"})
-                if not recv[h] and not (hub_left[h] and not control) and len(have[h]) == len(self.order) \
+                if not recv[h] and not hubq.pulling(h) and len(have[h]) == len(self.order) \
                         and h not in finishing:
                     finishing.add(h)
                     self.links[h].send({"op": "finish"})
@@ -552,16 +564,18 @@ class Stager:
             kind = ev["ev"]
             if kind == "progress":
                 inflight_bytes[(host, ev["path"])] = int(ev["bytes"])
+                if time.monotonic() - marked.get((host, ev["path"]), 0.0) >= TIMELINE_PROGRESS_S:
+                    marked[(host, ev["path"])] = time.monotonic()
+                    self._mark("progress", host, path=ev["path"], bytes=int(ev["bytes"]))
                 self.r.progress(host, done_bytes[host] + sum(v for (h, _), v in inflight_bytes.items() if h == host))
                 continue
             if kind == "done":
                 p = ev["path"]
+                self._mark("done", host, path=p, via=ev["via"], bytes=self.size[p])
                 have[host].add(p)
                 holders[p].add(host)
                 landed(host, p)
-                hub_left[host].discard(p)
-                for lane in hub_lanes[host]:
-                    lane.discard(p)
+                hubq.landed(host, p)
                 inflight_bytes.pop((host, p), None)
                 done_bytes[host] += self.size[p]
                 via = ev["via"]
@@ -581,12 +595,14 @@ class Stager:
                 if n >= MAX_TRIES:
                     raise HostError(f"{p} could not be staged after {n} tries: {ev['error'][-500:]}", host=host,
                                     step=f"weights from {ev['via']}")
-                if ev["via"] == "hub" and p in hub_left[host]:
-                    self._hub(host, [p], HUB_STREAMS)   # its own area: the lane's thread is still pulling
+                if ev["via"] == "hub" and p in hubq.pulling(host):
+                    self._hub(host, [p], hubq.pulling(host)[p])   # the same host tries it again
             elif kind == "complete":
+                self._mark("complete", host)
                 completed.add(host)
                 self._completed(host)
             elif kind == "prepared":
+                self._mark("prepared")
                 peers_ready = True
             elif kind == "prepare-failed":
                 raise ev["exc"]
@@ -617,6 +633,7 @@ class Stager:
 
     def _hub(self, host: str, files: list[str], lane: int) -> None:
         c = self.c
+        self._mark("hub", host, paths=list(files), lane=lane)
         self.links[host].send({"op": "hub", "files": files, "lane": lane, "source": c.kimi_model_source,
                                "model_id": c.kimi_model_id, "revision": self.m.revision,
                                "endpoint": c.kimi_model_endpoint, "token": self.opts.token})
@@ -650,16 +667,34 @@ class Stager:
                 self._abort_on(host, ev, "finish")
 
 
-def _balance(paths: list[str], size: dict[str, int], hosts: list[str]) -> dict[str, list[str]]:
-    """Largest first onto the least-loaded host; each share keeps manifest order (pipelined pulls)."""
-    load = {h: 0 for h in hosts}
-    share: dict[str, list[str]] = {h: [] for h in hosts}
-    for p in sorted(paths, key=lambda x: -size[x]):
-        h = min(hosts, key=lambda x: (load[x], hosts.index(x)))
-        share[h].append(p)
-        load[h] += size[p]
-    rank = {p: i for i, p in enumerate(paths)}
-    return {h: sorted(ps, key=rank.__getitem__) for h, ps in share.items()}
+class HubQueue:
+    """Hub files not handed out yet, largest first; a host takes the next one whenever a hub pull of its own is free.
+
+    No share is fixed up front: a host whose hub stream is slowed by its own incoming peer streams (or that drew
+    the bigger files) would otherwise keep the hub busy with its last files alone, far below the hub's rate,
+    while the others idle on it. Each file still leaves the hub once; the small files come last and fill the gaps.
+    """
+
+    def __init__(self, paths: list[str], size: dict[str, int], per_host: int = HUB_STREAMS):
+        self.todo = sorted(paths, key=lambda p: -size[p])   # stable: manifest order among equal sizes
+        self.per_host = per_host
+        self.busy: dict[str, dict[str, int]] = {}   # host -> path -> lane (its own download area)
+
+    def take(self, host: str) -> tuple[str, int] | None:
+        """The next file for host and the lane to pull it on, or None (queue empty, or its pulls are busy)."""
+        lanes = self.busy.setdefault(host, {})
+        if not self.todo or len(lanes) >= self.per_host:
+            return None
+        lane = min(set(range(self.per_host)) - set(lanes.values()))
+        path = self.todo.pop(0)
+        lanes[path] = lane
+        return path, lane
+
+    def pulling(self, host: str) -> dict[str, int]:
+        return self.busy.get(host, {})
+
+    def landed(self, host: str, path: str) -> None:
+        self.busy.get(host, {}).pop(path, None)
 
 
 # --- entry points ------------------------------------------------------------------------------------------

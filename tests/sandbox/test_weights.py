@@ -90,6 +90,12 @@ def test_sharded_pull_stages_identical_copies_from_one_hub_copy(sb):
         assert n == sizes[p] or (n == 2 * sizes[p] and not p.endswith(".safetensors")), p
     peers = sum(v for host in doc["hosts"] for k, v in host["received"].items() if k != "hub")
     assert peers == (len(sb.hosts) - 1) * sum(sizes.values())
+    # the run's timeline: every file handed to one host's hub pull once, every host complete
+    runs = sorted((Path(os.environ["KIMICTL_STATE_DIR"]) / "sandbox" / "runs").glob("*-weights/timeline.jsonl"))
+    timeline = [json.loads(x) for x in runs[-1].read_text().splitlines()]
+    from_hub = [p for e in timeline if e["ev"] == "hub" for p in e["paths"]]
+    assert sorted(from_hub) == sorted(sizes)
+    assert {e["host"] for e in timeline if e["ev"] == "complete"} == set(sb.hosts)
 
     v = kimictl("weights", "verify", "-i", str(sb.inventory), "--full", "-o", "json")
     assert v.returncode == 0, v.stderr

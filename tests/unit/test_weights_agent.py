@@ -15,7 +15,7 @@ from kimictl.weights import agent as agent_mod
 from kimictl.weights.agent import Agent, file_digest, rsync_serve, unsafe_name
 from kimictl.weights.checkpoint import checkpoint_manifest, generate_checkpoint
 from kimictl.weights.manifest import local_manifest, unsafe_reason
-from kimictl.weights.stage import _balance, agent_command, read_token
+from kimictl.weights.stage import HubQueue, agent_command, read_token
 
 
 @pytest.fixture(scope="module")
@@ -169,15 +169,38 @@ def test_peer_key_only_serves_read_only_rsync_inside_the_model_dir(monkeypatch, 
         assert ran[0][2] == str(tmp_path) and ran[0][1][:3] == ["rsync", "--server", "--sender"]
 
 
-def test_balance_is_disjoint_complete_and_even():
-    size = {f"f{i}": s for i, s in enumerate([100, 90, 80, 70, 60, 50, 40, 30, 20, 10, 5, 1])}
-    share = _balance(list(size), size, ["a", "b", "c"])
-    flat = [p for ps in share.values() for p in ps]
-    assert sorted(flat) == sorted(size) and len(flat) == len(set(flat))
-    loads = [sum(size[p] for p in ps) for ps in share.values()]
-    assert max(loads) - min(loads) <= max(size.values())
-    for ps in share.values():   # each share keeps manifest order, so early files are served early
-        assert ps == sorted(ps, key=list(size).index)
+def test_hub_queue_keeps_every_host_pulling_until_no_file_is_left():
+    """No share is fixed up front: whichever host's hub pull lands first takes the next file (largest first), so a
+    slow host never leaves the hub serving only its own remaining files; each file is handed out exactly once."""
+    size = {f"f{i}": s for i, s in enumerate([10, 100, 10, 90, 1, 80, 5, 70])}
+    q = HubQueue(list(size), size)
+    first = {h: q.take(h) for h in ("a", "b", "c")}
+    assert first == {"a": ("f1", 0), "b": ("f3", 0), "c": ("f5", 0)}
+    assert q.take("a") is None   # one hub pull per host at a time (HUB_STREAMS)
+    handed = [p for p, _ in first.values()]
+    q.landed("b", "f3")   # b is fast: it takes the next files while a and c are still on their first
+    for _ in range(3):
+        took = q.take("b")
+        assert took is not None and q.pulling("b") == {took[0]: 0}
+        handed.append(took[0])
+        q.landed("b", took[0])
+    assert handed[3:] == ["f7", "f0", "f2"]   # largest first; equal sizes in manifest order
+    assert q.pulling("a") == {"f1": 0} and q.pulling("c") == {"f5": 0}
+    q.landed("a", "f1")
+    handed.append(q.take("a")[0])
+    assert handed[-1] == "f6" and q.take("c") is None   # c still pulls f5
+    q.landed("c", "f5")
+    handed.append(q.take("c")[0])
+    assert q.take("b") is None and q.take("c") is None   # nothing left to hand out
+    assert sorted(handed) == sorted(size) and len(handed) == len(set(handed))
+
+
+def test_hub_queue_lanes_never_share_a_download_area():
+    size = {"x": 3, "y": 2, "z": 1}
+    q = HubQueue(list(size), size, per_host=2)
+    assert [q.take("a"), q.take("a"), q.take("a")] == [("x", 0), ("y", 1), None]
+    q.landed("a", "x")
+    assert q.take("a") == ("z", 0)   # the lane x freed, not one y still downloads into
 
 
 def test_agent_boots_from_stdin_without_being_installed(tmp_path, ckpt, manifest):
@@ -205,3 +228,33 @@ def test_token_file_must_be_private(tmp_path, monkeypatch):
     assert read_token("huggingface", None) == "hf-tok"
     monkeypatch.delenv("MODELSCOPE_API_TOKEN", raising=False)
     assert read_token("modelscope", None) is None
+
+
+def test_forced_command_serves_before_the_agents_imports_and_keeps_escaped_names(tmp_path):
+    """The peer key's forced command runs once per transfer, so it must not pay for the agent's imports; names
+    that rsync backslash-escapes still reach rsync whole, and refusals are the same as in-process."""
+    import subprocess
+
+    bin_dir, model = tmp_path / "bin", tmp_path / "m"
+    bin_dir.mkdir()
+    model.mkdir()
+    fake = bin_dir / "rsync"   # stands in for rsync: shows what it was started with, and where
+    fake.write_text('#!/bin/sh\npwd\nfor a in "$@"; do echo "[$a]"; done\n')
+    fake.chmod(0o755)
+
+    def serve(command: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["python3", "-I", "-S", "-X", "importtime", agent_mod.__file__, "rsync-serve",
+                               str(model)], capture_output=True, text=True, timeout=30, check=False,
+                              env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SSH_ORIGINAL_COMMAND": command})
+
+    ok = serve("rsync --server --sender -e.LsfxCIvu --timeout=60 . config.json a\\ b/c\\ d.json")
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.splitlines() == [str(model), "[--server]", "[--sender]", "[-e.LsfxCIvu]", "[--timeout=60]",
+                                      "[.]", "[config.json]", "[a b/c d.json]"]
+    for heavy in ("concurrent.futures", "subprocess", "hashlib", "json"):
+        assert f"| {heavy}\n" not in ok.stderr, heavy
+    for bad in ("rsync --server --sender -e.LsfxCIvu . a\x0bb", "rsync --server --sender -e.x . a/\\.\\./b",
+                "rsync --server --sender --timeout=6x . config.json", "rsync --server --sender . 'a'\"b\"/../x"):
+        refused = serve(bad)
+        assert refused.returncode == 1 and not refused.stdout, bad
+        assert "refused rsync arguments" in refused.stderr
