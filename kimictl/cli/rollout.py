@@ -84,8 +84,8 @@ def rollout(
     for n in result.notes:
         typer.echo(f"  note: {n}")
     if result.proxy_restarts:
-        typer.echo(f"  proxy restarts: {len(result.proxy_restarts)} ("
-                   + ", ".join(f"{r['seconds']:.1f}s" for r in result.proxy_restarts) + ")")
+        typer.echo(f"  re-adds and proxy restarts: {len(result.proxy_restarts)} ("
+                   + ", ".join(f"{r['kind']} {r['seconds']:.1f}s" for r in result.proxy_restarts) + ")")
     if result.run_dir:
         typer.echo(f"run directory: {result.run_dir}")
 

@@ -1,0 +1,51 @@
+"""`status` compares each router copy behind the proxy with the deployed endpoints."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+
+from kimictl.status import _membership
+
+ENGINES = [
+    {"id": "prefill-0-dp0", "role": "prefill", "ip": "10.0.0.1", "port": 7100, "serves_http": True},
+    {"id": "decode-0-dp0", "role": "decode", "ip": "10.0.0.2", "port": 7100, "serves_http": True},
+    {"id": "decode-0-dp1", "role": "decode", "ip": "10.0.0.2", "port": 7101, "serves_http": True},
+    {"id": "decode-0-n1", "role": "decode", "ip": "10.0.0.3", "port": 7100, "serves_http": False},
+]
+LISTS = {
+    "/kimictl/router/0/workers": ["http://10.0.0.1:7100", "http://10.0.0.2:7100", "http://10.0.0.2:7101"],
+    "/kimictl/router/1/workers": ["http://10.0.0.1:7100/", "http://10.0.0.2:7100", "http://10.9.9.9:7100"],
+}
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_GET(self):
+        if self.headers.get("Authorization") != "Bearer k":
+            self.send_response(401)
+            self.end_headers()
+            return
+        urls = LISTS.get(self.path)
+        body = json.dumps({"workers": [{"url": u} for u in urls]} if urls else {"error": "no"}).encode()
+        self.send_response(200 if urls else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def test_each_copy_is_checked_against_the_deployed_endpoints() -> None:
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        proxy = {"ip": "127.0.0.1", "port": srv.server_address[1], "routers": 3}
+        got = _membership(ENGINES, proxy, "k")
+        assert got[0] == {"router": 0, "members": 3, "missing": [], "unknown": []}
+        assert got[1] == {"router": 1, "members": 3, "missing": ["decode-0-dp1"], "unknown": ["http://10.9.9.9:7100"]}
+        assert got[2]["router"] == 2 and "404" in got[2]["error"]
+        assert "401" in _membership(ENGINES, proxy, None)[0]["error"]
+    finally:
+        srv.shutdown()
