@@ -339,3 +339,28 @@ def test_the_api_key_stays_out_of_files_logs_and_bundles(cluster, tmp_path) -> N
     assert subprocess.run(["zgrep", "-c", "-a", "--", API_KEY, str(bundle)], capture_output=True, text=True,
                           check=False).stdout.strip() == "0"
     assert API_KEY not in res.stdout + res.stderr
+
+
+def test_a_new_api_key_is_installed_by_deploy_without_restarts(cluster, tmp_path) -> None:
+    sb = cluster
+    inv = str(sb.inventory)
+    current = json.loads((_state_dir(sb) / "current.json").read_text())
+    topo = Path(current["run_dir"], "topology.yml")
+    key_file = Path(yaml.safe_load(sb.inventory.read_text())["all"]["vars"]["kimi_api_key_file"])
+    before = {k: v["child_pid"] for k, v in _supervised(sb).items()}
+    key_file.write_text("sk-rotated-9c0e\n")
+    try:
+        res = kimictl("deploy", "-i", inv, "--topology", str(topo) if topo.exists() else "a3-pd", "--yes",
+                      "--output", "json")
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert json.loads(res.stdout)["result"] == "no-changes"
+        assert "installing the key" in res.stderr
+        proxy = f"http://{sb.host('atlas-01')['ip']}:8000/v1/completions"
+        body = {"model": "kimi-k2.5", "prompt": "x", "max_tokens": 1}
+        assert _post(proxy, body, api_key="sk-rotated-9c0e")[0] == 200
+        with pytest.raises(urllib.error.HTTPError) as old:
+            _post(proxy, body, api_key=API_KEY)
+        assert old.value.code == 401
+        assert {k: v["child_pid"] for k, v in _supervised(sb).items()} == before
+    finally:
+        key_file.write_text(API_KEY + "\n")
