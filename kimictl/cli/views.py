@@ -150,7 +150,9 @@ def status_view(doc: dict) -> Group:
     parts: list = [head, t]
     if doc["proxy"]:
         p = doc["proxy"]
-        parts.append(Text(f"proxy {p['host']} ({p['ip']}:{p['port']}): {p['state']}",
+        members = [m["members"] for m in p.get("membership", []) if "members" in m]
+        parts.append(Text(f"proxy {p['host']} ({p['ip']}:{p['port']}): {p['state']}"
+                          + (f", router copies list {'/'.join(map(str, members))} endpoint(s)" if members else ""),
                           style="green" if p["state"] == "ready" else "bold red"))
         for m in p.get("membership", []):
             if "error" in m:

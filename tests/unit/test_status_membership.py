@@ -49,3 +49,19 @@ def test_each_copy_is_checked_against_the_deployed_endpoints() -> None:
         assert "401" in _membership(ENGINES, proxy, None)[0]["error"]
     finally:
         srv.shutdown()
+
+
+def test_status_view_names_router_copies_that_lack_endpoints() -> None:
+    from rich.console import Console
+
+    from kimictl.cli.views import status_view
+
+    doc = {"cluster": "c", "state": "degraded", "release": "r", "engines": [], "pairs": [], "drift": [],
+           "proxy": {"host": "h1", "ip": "10.0.0.1", "port": 8000, "state": "ready",
+                     "membership": [{"router": 0, "members": 3, "missing": [], "unknown": []},
+                                    {"router": 1, "members": 2, "missing": ["decode-0-dp1"], "unknown": []}]}}
+    con = Console(width=200, record=True)
+    con.print(status_view(doc))
+    text = con.export_text()
+    assert "router copies list 3/2 endpoint(s)" in text
+    assert "router 1 behind the proxy lacks decode-0-dp1" in text
