@@ -11,6 +11,7 @@ except `GET /health` must carry `Authorization: Bearer <key>` (vllm-router does 
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import json
 import os
@@ -154,7 +155,8 @@ class Front:
     def save(self):
         write_json_atomic(self.args.state, {
             "pid": os.getpid(), "listen": self.args.listen, "requested": self.requested, "completed": self.completed,
-            "reload": self.last, "routers": [r.doc() for r in self.routers], "api_key": self.args.api_key_file is not None,
+            "reload": self.last, "routers": [r.doc() for r in self.routers],
+            "api_key": self.args.api_key_file is not None,
         })
 
     # --- routers --------------------------------------------------------------------------------------------
@@ -197,10 +199,8 @@ class Front:
                     log(f"router {r.index} (port {r.port}) ready")
                     self.save()
                     break
-                try:
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(r.proc.wait(), 0.25)
-                except asyncio.TimeoutError:
-                    pass
             code = await r.proc.wait() if r.proc else None
             r.accepting = False
             r.exited.set()

@@ -87,5 +87,5 @@ def test_api_key_file_must_be_private_and_not_empty(tmp_path) -> None:
     f.write_text("\n")
     with pytest.raises(InvalidInput, match="is empty"):
         read_secret_file(f, "all.vars.kimi_api_key_file")
-    with pytest.raises(InvalidInput, match="all.vars.kimi_api_key_file .*/missing"):
+    with pytest.raises(InvalidInput, match=r"all\.vars\.kimi_api_key_file .*/missing"):
         read_secret_file(tmp_path / "missing", "all.vars.kimi_api_key_file")

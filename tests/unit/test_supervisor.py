@@ -202,7 +202,8 @@ def test_under_systemd_the_supervisor_is_a_transient_unit(h: Harness, monkeypatc
     args = launched.read_text().splitlines()
     unit = sv.unit_name(str(h.run_dir), "eng")
     assert doc["unit"] == unit and f"--unit={unit}" in args
-    assert {"--collect", "--property=KillMode=mixed", f"--property=TimeoutStopSec={3 + int(sv.KILL_WAIT) + 5}"} <= set(args)
+    stop_after = f"--property=TimeoutStopSec={3 + int(sv.KILL_WAIT) + 5}"
+    assert {"--collect", "--property=KillMode=mixed", stop_after} <= set(args)
     # The unit runs this supervisor in the foreground with the same settings, then the command.
     cut = args.index("--")
     assert args[cut + 2:cut + 4] == [str(SUP), "run"] and args[-1] == h.marker
