@@ -385,8 +385,9 @@ class Deployer(EngineOps):
         if self.opts.check:
             return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "check")
         if not todo:
-            sick = [p for p in procs if p.serves_http and not self.ready(p).ok]
-            if any(p.kind == "proxy" and "401" in self.ready(p).detail for p in sick):
+            checks = [(p, self.ready(p)) for p in procs if p.serves_http]
+            sick = [p for p, r in checks if not r.ok]
+            if any(p.kind == "proxy" and "401" in r.detail for p, r in checks if not r.ok):
                 # Only the key changed (it is not part of a release): install it; the front re-reads it.
                 self.say("the proxy refuses the inventory's API key: installing the key")
                 self.install_release(self.rendered, [self.plan.proxy.host] if self.plan.proxy else [])
