@@ -257,6 +257,7 @@ class Agent:
     # --- landing a file -------------------------------------------------------------------------------
     def _install(self, path: str, tmp: Path, via: str, t0: float) -> None:
         """Hash the landed file; rename it into place only when it matches."""
+        self.emit(ev="received", path=path)   # its bytes are in: the control node may start the next transfer
         entry = self.manifest[path]
         algo, want = expected(entry)
         size = tmp.stat().st_size if tmp.exists() else -1

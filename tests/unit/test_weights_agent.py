@@ -15,7 +15,7 @@ from kimictl.weights import agent as agent_mod
 from kimictl.weights.agent import Agent, file_digest, rsync_serve, unsafe_name
 from kimictl.weights.checkpoint import checkpoint_manifest, generate_checkpoint
 from kimictl.weights.manifest import local_manifest, unsafe_reason
-from kimictl.weights.stage import HubQueue, agent_command, read_token
+from kimictl.weights.stage import agent_command, read_token
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +110,10 @@ def test_adopt_installs_only_matching_bytes_and_finish_writes_marker_last(tmp_pa
     evs = t.events()
     fails = [e for e in evs if e["ev"] == "fail"]
     assert [e["path"] for e in fails] == [victim] and "mismatch" in fails[0]["error"]
+    # each file says its bytes are in before it is hashed: the control node starts the next transfer meanwhile
+    for f in manifest["files"]:
+        assert [e["ev"] for e in evs if e.get("path") == f["path"]] == \
+            ["received", "fail" if f["path"] == victim else "done"]
     assert not (push / victim).exists() and not (tmp_path / "m" / victim).exists()
     assert not (tmp_path / "m" / agent_mod.MARKER).exists()
     shutil.copyfile(ckpt / victim, push / victim)
@@ -167,40 +171,6 @@ def test_peer_key_only_serves_read_only_rsync_inside_the_model_dir(monkeypatch, 
         assert rc == 1
     else:
         assert ran[0][2] == str(tmp_path) and ran[0][1][:3] == ["rsync", "--server", "--sender"]
-
-
-def test_hub_queue_keeps_every_host_pulling_until_no_file_is_left():
-    """No share is fixed up front: whichever host's hub pull lands first takes the next file (largest first), so a
-    slow host never leaves the hub serving only its own remaining files; each file is handed out exactly once."""
-    size = {f"f{i}": s for i, s in enumerate([10, 100, 10, 90, 1, 80, 5, 70])}
-    q = HubQueue(list(size), size)
-    first = {h: q.take(h) for h in ("a", "b", "c")}
-    assert first == {"a": ("f1", 0), "b": ("f3", 0), "c": ("f5", 0)}
-    assert q.take("a") is None   # one hub pull per host at a time (HUB_STREAMS)
-    handed = [p for p, _ in first.values()]
-    q.landed("b", "f3")   # b is fast: it takes the next files while a and c are still on their first
-    for _ in range(3):
-        took = q.take("b")
-        assert took is not None and q.pulling("b") == {took[0]: 0}
-        handed.append(took[0])
-        q.landed("b", took[0])
-    assert handed[3:] == ["f7", "f0", "f2"]   # largest first; equal sizes in manifest order
-    assert q.pulling("a") == {"f1": 0} and q.pulling("c") == {"f5": 0}
-    q.landed("a", "f1")
-    handed.append(q.take("a")[0])
-    assert handed[-1] == "f6" and q.take("c") is None   # c still pulls f5
-    q.landed("c", "f5")
-    handed.append(q.take("c")[0])
-    assert q.take("b") is None and q.take("c") is None   # nothing left to hand out
-    assert sorted(handed) == sorted(size) and len(handed) == len(set(handed))
-
-
-def test_hub_queue_lanes_never_share_a_download_area():
-    size = {"x": 3, "y": 2, "z": 1}
-    q = HubQueue(list(size), size, per_host=2)
-    assert [q.take("a"), q.take("a"), q.take("a")] == [("x", 0), ("y", 1), None]
-    q.landed("a", "x")
-    assert q.take("a") == ("z", 0)   # the lane x freed, not one y still downloads into
 
 
 def test_agent_boots_from_stdin_without_being_installed(tmp_path, ckpt, manifest):
