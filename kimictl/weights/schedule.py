@@ -188,8 +188,8 @@ class Schedule:
         self._drop(h, p)
         self.inflight[h] &= ~(1 << p)
         self.bytes[h] -= self.size[p]
-        if src == _HUB:   # its bytes came but were wrong: the hub sends it again, to whichever host is free
-            self.hubq.appendleft(p)
+        if not self.holders[p]:   # no copy is left anywhere (its bytes were wrong, or its source failed)
+            self._owe([p])
             return n
         avoid = self.avoid.get((h, p), 0) | 1 << src
         self.avoid[(h, p)] = 0 if self.holders[p] & ~avoid == 0 else avoid   # every holder failed once: again
@@ -212,9 +212,7 @@ class Schedule:
             self.holders[p] &= ~(1 << h)
             self.nholders[p] -= 1
         self.inflight[h] = 0
-        owed = set(self.hubq) | {p for (_, p), src in self.source.items() if src == _HUB}
-        lost = [p for p in range(len(self.paths)) if not self.holders[p] and p not in owed]
-        self.hubq.extendleft(sorted(lost, key=lambda p: self.size[p]))   # the largest ends up first
+        self._owe([p for p in range(len(self.paths)) if not self.holders[p]])
 
     # --- decisions ------------------------------------------------------------------------------------
     def next(self) -> list[Transfer]:
@@ -230,10 +228,11 @@ class Schedule:
             self.retry.remove((h, p))
             out.append(Transfer(self.hosts[h], HUB, (self.paths[p],), s.lane))
         while self.hubq and self.hub_busy < self.hub_streams:
-            h = self._hub_host()
+            p = self.hubq[0]
+            h = self._hub_host(p)
             if h is None:
                 break
-            p = self.hubq.popleft()
+            self.hubq.popleft()
             lane = self.lanes[h].index(None)
             self.lanes[h][lane] = self._start(h, _HUB, [p], lane)
             self.hub_busy += 1
@@ -271,6 +270,13 @@ class Schedule:
             self.bytes[h] += self.size[p]
         return s
 
+    def _owe(self, lost: list[int]) -> None:
+        """The hub sends these again when no host holds them and no copy is on its way (largest first)."""
+        queued = set(self.hubq)
+        lost = [p for p in lost if not self.control and not self.holders[p] and not self.coming[p]
+                and p not in queued]
+        self.hubq.extendleft(sorted(lost, key=lambda p: self.size[p]))
+
     def _drop(self, h: int, p: int) -> None:
         if self.source.pop((h, p), None) is not None:
             self.coming[p] -= 1
@@ -307,17 +313,19 @@ class Schedule:
             if force and not self.have[h] >> p & 1:
                 self.hubq.appendleft(p)
 
-    def _hub_host(self) -> int | None:
+    def _hub_host(self, p: int) -> int | None:
+        """Who pulls p: a host with a free download area that lacks it, holding the fewest files nobody else has."""
         sole = [0] * len(self.hosts)
-        for p, n in enumerate(self.nholders):
-            if n == 1 and self.holders[p] & self.hostmask:
-                sole[self.holders[p].bit_length() - 1] += 1
+        for q, n in enumerate(self.nholders):
+            if n == 1 and self.holders[q] & self.hostmask:
+                sole[self.holders[q].bit_length() - 1] += 1
         for (h, _), src in self.source.items():
             if src == _HUB:
                 sole[h] += 1
         best, key = None, None
         for h in range(len(self.hosts)):
-            if self.alive[h] and not self.finished[h] and self._hub_free(h):
+            if self.alive[h] and not self.finished[h] and self._hub_free(h) \
+                    and not (self.have[h] | self.inflight[h]) >> p & 1:
                 k = (sole[h], self.n_in[h], self.bytes[h], h)
                 if key is None or k < key:
                     best, key = h, k

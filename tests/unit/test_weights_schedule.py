@@ -135,6 +135,18 @@ def test_a_failed_hosts_hub_pull_and_the_files_only_it_held_go_back_to_the_hub()
     assert s.finishing() == [survivor] and s.done
 
 
+def test_a_file_whose_last_holder_failed_comes_from_the_hub_only_if_no_copy_is_on_its_way():
+    s = Schedule({"x": 1 << 30}, {"a": ["x"], "b": [], "c": []}, streams=1)
+    s.peers_ready()
+    (t,) = s.next()
+    s.received(t.dest, "x")   # its bytes are in; the receiver verifies them
+    s.host_failed("a")
+    assert s.next() == []     # the copy on its way may well be good
+    assert s.failed(t.dest, "x") == 1   # it was not
+    (u,) = s.next()
+    assert u.src == HUB and u.paths == ("x",)
+
+
 def test_control_mode_pushes_until_hosts_can_pass_files_on():
     s = Schedule(sizes_of(4), {"a": [], "b": []}, streams=2, control=True)
     ts = s.next()
