@@ -228,3 +228,73 @@ def test_forced_command_serves_before_the_agents_imports_and_keeps_escaped_names
         refused = serve(bad)
         assert refused.returncode == 1 and not refused.stdout, bad
         assert "refused rsync arguments" in refused.stderr
+
+
+def _write_like_rsync(dest: Path, data: bytes, chunks: int = 8, rename: bool = True) -> Path:
+    """What rsync's receiver does: a temp file next to dest, written front to back, renamed at the end."""
+    import time
+
+    tmp = dest.parent / f".{dest.name}.Ab12Cd"
+    step = len(data) // chunks + 1
+    with open(tmp, "wb") as f:
+        for i in range(0, len(data), step):
+            f.write(data[i:i + step])
+            f.flush()
+            time.sleep(0.01)
+    if rename:
+        os.replace(tmp, dest)
+    return tmp
+
+
+def test_a_peer_file_is_hashed_while_it_arrives_and_not_read_again(tmp_path, monkeypatch):
+    import hashlib
+    import threading
+
+    data = os.urandom(3 << 20)
+    dest = tmp_path / "d" / "shard.safetensors"
+    dest.parent.mkdir()
+    follow = agent_mod._Follow(dest, len(data), "sha256")
+    writer = threading.Thread(target=_write_like_rsync, args=(dest, data))
+    writer.start()
+    writer.join()
+    follow.stop()
+    assert follow.digest_of(dest) == hashlib.sha256(data).hexdigest()
+
+    t = Talk(tmp_path / "m")
+    t.agent.manifest = {"shard.safetensors": {"path": "shard.safetensors", "size": len(data),
+                                              "sha256": hashlib.sha256(data).hexdigest()}}
+
+    def no_second_read(*a):
+        raise AssertionError("the file was read again")
+    monkeypatch.setattr(agent_mod, "file_digest", no_second_read)
+    t.agent._install("shard.safetensors", dest, "atlas-02", 0.0, follow)
+    assert [e["ev"] for e in t.events()] == ["received", "done"]
+    assert (tmp_path / "m" / "shard.safetensors").read_bytes() == data
+
+
+def test_what_was_followed_counts_only_for_the_same_whole_file(tmp_path):
+    data = os.urandom(1 << 20)
+    dest = tmp_path / "x.bin"
+    short = agent_mod._Follow(dest, len(data) + 1, "sha256")   # rsync ended before the whole size came
+    _write_like_rsync(dest, data)
+    short.stop()
+    assert short.digest_of(dest) is None
+    other = agent_mod._Follow(dest.with_name("y.bin"), len(data), "sha256")
+    tmp = _write_like_rsync(dest.with_name("y.bin"), data, rename=False)
+    dest.with_name("y.bin").write_bytes(data)   # another file ends up at the destination
+    other.stop()
+    assert other.digest_of(dest.with_name("y.bin")) is None
+    tmp.unlink()
+    nothing = agent_mod._Follow(tmp_path / "never.bin", 10, "sha256")
+    nothing.stop()   # no temp file ever showed up: it is hashed after all
+    assert nothing.digest_of(tmp_path / "never.bin") is None
+
+
+def test_a_pull_clears_the_temp_files_a_killed_agent_left(tmp_path, manifest):
+    (tmp_path / "m").mkdir()
+    stale = tmp_path / "m" / f".{agent_mod.STAMPS}.tmp4242"
+    stale.write_text("{}")
+    Talk(tmp_path / "m").hello(manifest, mode="stat")   # verify/status change nothing
+    assert stale.exists()
+    Talk(tmp_path / "m").hello(manifest, pull=True, holder={})
+    assert not stale.exists()
