@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shlex
 import socket
@@ -15,6 +16,10 @@ from typing import Any, TypeVar
 from kimictl.inventory import Host, Inventory
 
 T = TypeVar("T")
+
+# paramiko logs a failed handshake (a bad banner, a reset) with its traceback through `logging`; with no handler
+# configured Python prints that to stderr. Each host's failure is reported as one SSHError line instead.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 # AEAD ciphers first: one AES-GCM pass per packet (in OpenSSL) instead of AES-CTR plus an HMAC that paramiko
 # verifies in Python; measured ~25% less control-node CPU per connection. Every OpenSSH since 6.2 offers
@@ -141,19 +146,25 @@ class Session:
                            sock=sock, timeout=self.timeout, banner_timeout=self.timeout,
                            auth_timeout=self.timeout, allow_agent=not t.key_files, look_for_keys=not t.key_files,
                            transport_factory=_transport)
-        except paramiko.SSHException as exc:
+        except (paramiko.SSHException, EOFError) as exc:
             client.close()
             hint = ""
             if "not found in known_hosts" in str(exc):
                 hint = " (unknown host key: add it to known_hosts, or pass --accept-new-host-keys)"
-            raise SSHError(f"ssh to {t.user}@{t.address}:{t.port} failed: {exc}{hint}") from None
+            why = str(exc) or "the connection closed"
+            raise SSHError(f"ssh to {t.user}@{t.address}:{t.port} failed: {why}{hint}") from None
         except OSError as exc:
             client.close()
+            if exc.filename is not None:  # a key file (ansible_ssh_private_key_file, -i) that cannot be read
+                raise SSHError(f"ssh to {t.user}@{t.address}:{t.port} failed: cannot read {exc.filename}: "
+                               f"{exc.strerror or exc}") from None
             raise SSHError(f"cannot reach {t.address}:{t.port}: {exc.strerror or exc}") from None
         self._client = client
         return self
 
     def run(self, command: str, timeout: float | None = None, stdin: str | None = None) -> RunResult:
+        import paramiko  # loaded by connect() already
+
         t0 = time.monotonic()
         chan_timeout = timeout or self.timeout
         try:
@@ -166,6 +177,9 @@ class Session:
             rc = stdout_f.channel.recv_exit_status()
         except TimeoutError:
             raise SSHError(f"{self.target.name}: command timed out after {chan_timeout:.0f}s") from None
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            raise SSHError(f"{self.target.name}: the SSH connection failed during a command: "
+                           f"{str(exc) or type(exc).__name__}") from None
         return RunResult(rc, out, err, time.monotonic() - t0)
 
     def transport(self):

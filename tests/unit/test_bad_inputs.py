@@ -453,3 +453,161 @@ def test_api_key_file_is_checked_by_static_commands(tmp_path: Path, inventory_fa
     assert f"{inv}:{_line_of(inv, 'kimi_api_key_file:')}: all.vars: kimi_api_key_file {key}" in result.stderr
     assert why in result.stderr
     assert result.stdout == ""
+
+
+# --- issue 16 item 7: no traceback for user error -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["file", "below-a-file"])
+def test_render_out_onto_a_file_exits_2_and_writes_nothing(tmp_path: Path, where: str) -> None:
+    target = tmp_path / "render-out"
+    target.write_text("not a directory\n")
+    out = target if where == "file" else target / "sub"
+    result = _invoke(["render", "-i", str(BAD / "good-a3-2.yml"), "--topology", "a3-pd", "--out", str(out)])
+    assert result.exit_code == EXIT_INVALID, result.output
+    assert f"--out {out}: {target} exists and is not a directory" in result.stderr
+    assert target.read_text() == "not a directory\n" and result.stdout == ""
+
+
+def test_logs_bundle_onto_a_directory_exits_2_before_collecting(tmp_path: Path, inventory_factory) -> None:
+    inv = inventory_factory(_inv({}, {"a3-p": {**A3P, "ansible_host": "127.0.0.1", "ansible_port": 9}}))
+    result = _invoke(["logs", "-i", str(inv), "--bundle", str(tmp_path)])
+    assert result.exit_code == EXIT_INVALID, result.output
+    assert f"{tmp_path} is a directory" in result.stderr and "collecting" not in result.stderr
+
+
+@pytest.mark.parametrize("variable", ["KIMICTL_STATE_DIR", "XDG_STATE_HOME"])
+def test_unwritable_state_dir_is_one_message_naming_it(tmp_path: Path, inventory_factory, monkeypatch,
+                                                       variable: str) -> None:
+    """preflight records its report in the state dir; here that is below a regular file."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    monkeypatch.delenv("KIMICTL_STATE_DIR", raising=False)
+    monkeypatch.setenv(variable, str(blocker / "state"))
+    inv = inventory_factory(_inv({"kimi_model_source": "local"},
+                                 {"a3-p": {**A3P, "ansible_host": "127.0.0.1", "ansible_port": 9}}))
+    result = _invoke(["preflight", "-i", str(inv), "--topology", "a3-colocated"])
+    assert result.exit_code == 1, result.output
+    base = blocker / "state" if variable == "KIMICTL_STATE_DIR" else blocker / "state" / "kimictl"
+    assert f"error: cannot use the control-node state directory {base}: Not a directory" in result.stderr
+    assert "KIMICTL_STATE_DIR" in result.stderr
+
+
+def test_unexpected_missing_file_is_an_operation_failure_not_invalid_input(monkeypatch, tmp_path: Path) -> None:
+    """A FileNotFoundError from deep inside an operation is exit 1 with its path (exit 2 promises bad input and
+    nothing changed); KIMICTL_DEBUG=1 lets its traceback through."""
+    import kimictl.render
+
+    def vanished(*_a, **_k):
+        raise FileNotFoundError(2, "No such file or directory", "/opt/kimictl/templates/engine.sh.j2")
+
+    monkeypatch.setattr(kimictl.render, "write_rendered", vanished)
+    args = ["render", "-i", str(BAD / "good-a3-2.yml"), "--topology", "a3-pd", "--out", str(tmp_path / "o")]
+    result = _invoke(args)
+    assert result.exit_code == 1, result.output
+    assert "error: the operation failed: No such file or directory: /opt/kimictl/templates/engine.sh.j2" \
+        in result.stderr
+    assert "KIMICTL_DEBUG=1" in result.stderr
+    monkeypatch.setenv("KIMICTL_DEBUG", "1")
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, FileNotFoundError)
+
+
+@pytest.fixture(scope="module")
+def unreachable_hosts(tmp_path_factory):
+    """An inventory of hosts that fail to connect in different ways: a closed port, a server that answers with
+    garbage instead of an SSH banner, one that resets the connection, and a real SSH server (paramiko) with a
+    missing key file."""
+    import socket
+    import struct
+    import threading
+
+    import paramiko
+
+    stop = threading.Event()
+    listeners = []
+
+    def serve(address: str, handle) -> int:
+        s = socket.socket()
+        s.bind((address, 0))
+        s.listen(16)
+        s.settimeout(0.2)
+        listeners.append(s)
+
+        def loop() -> None:
+            while not stop.is_set():
+                try:
+                    conn, _ = s.accept()
+                except OSError:
+                    continue
+                try:
+                    handle(conn)
+                except (OSError, EOFError, paramiko.SSHException):  # the client gave up: its side is under test
+                    conn.close()
+
+        threading.Thread(target=loop, daemon=True).start()
+        return s.getsockname()[1]
+
+    def garbage(conn) -> None:
+        conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+        conn.close()
+
+    def reset(conn) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+    host_key = paramiko.RSAKey.generate(2048)
+    transports = []
+
+    def ssh(conn) -> None:
+        t = paramiko.Transport(conn)
+        t.add_server_key(host_key)
+        t.start_server(server=paramiko.ServerInterface())
+        transports.append(t)
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    d = tmp_path_factory.mktemp("unreachable")
+    hosts = {
+        "h-closed": {"ansible_host": "127.0.0.1", "ansible_port": closed_port},
+        "h-garbage": {"ansible_host": "127.0.0.2", "ansible_port": serve("127.0.0.2", garbage)},
+        "h-reset": {"ansible_host": "127.0.0.3", "ansible_port": serve("127.0.0.3", reset)},
+        "h-keyfile": {"ansible_host": "127.0.0.4", "ansible_port": serve("127.0.0.4", ssh),
+                      "ansible_ssh_private_key_file": str(d / "missing_key"),
+                      "ansible_ssh_common_args": f"-o StrictHostKeyChecking=no -o UserKnownHostsFile={d}/kh"},
+    }
+    inv = d / "inventory.yml"
+    from tests.unit.conftest import write_yaml
+
+    write_yaml(inv, _inv({"kimi_model_source": "local"}, {h: {**v, "kimi_hardware": A3} for h, v in hosts.items()}))
+    yield inv, d
+    stop.set()
+    for t in transports:
+        t.close()
+    for s in listeners:
+        s.close()
+
+
+@pytest.mark.parametrize("command", [["status"], ["logs"], ["preflight", "--topology", "a3-pd"]])
+def test_unreachable_hosts_are_one_line_each_never_a_traceback(unreachable_hosts, command: list[str]) -> None:
+    import subprocess
+    import sys
+
+    inv, d = unreachable_hosts
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(d), "KIMICTL_STATE_DIR": str(d / "state")}
+    r = subprocess.run([sys.executable, "-m", "kimictl", command[0], "-i", str(inv), *command[1:]],
+                       check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and "paramiko" not in r.stderr, r.stderr
+    if command[0] == "preflight":
+        return  # one table row per host (SSH-001), checked by the preflight tests; no traceback is the point here
+    text = r.stdout if command[0] == "status" else r.stderr
+    lines = {h: [x for x in text.splitlines() if x.startswith(f"{h}: ") or x.startswith(f"error: {h}: ")]
+             for h in ("h-closed", "h-garbage", "h-reset", "h-keyfile")}
+    assert all(len(v) == 1 for v in lines.values()), text
+    assert "Connection refused" in lines["h-closed"][0]
+    assert "SSH protocol banner" in lines["h-garbage"][0]
+    assert "reset" in lines["h-reset"][0].lower()
+    assert f"cannot read {d}/missing_key: No such file or directory" in lines["h-keyfile"][0]
