@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +113,19 @@ def runner_env(env: Mapping[str, str], own: Mapping[str, str], outer: Mapping[st
     return {k: v for k, v in env.items() if k in own or outer.get(k) != v or _passes(k)}
 
 
+STALE_EXTRAVARS_S = 600   # ansible-playbook reads its extravars when it starts; older ones were left by a killed run
+
+
+def _remove_stale_extravars(runs: Path) -> None:
+    """A kimictl that was killed mid-playbook leaves its extravars file (which may hold a secret); the next playbook
+    run of the cluster removes it."""
+    cutoff = time.time() - STALE_EXTRAVARS_S
+    for p in runs.glob("*/ansible/*/env/extravars"):
+        with contextlib.suppress(OSError):
+            if p.stat().st_mtime < cutoff:
+                p.unlink()
+
+
 def _write_private(path: Path, text: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "w") as f:
@@ -154,6 +168,7 @@ def run_playbook(spec: RunSpec, on_event: Callable[[str, str, str], None] | None
     if (Path(bindir) / "ansible-playbook").exists() and bindir not in path.split(":"):
         envvars["PATH"] = f"{bindir}:{path}"
     # runner passes env/extravars as `-e @file`; given extravars itself it would put them on the command line
+    _remove_stale_extravars(pdd.parents[2])
     extravars = pdd / "env" / "extravars"
     _write_private(extravars, json.dumps(spec.extravars))
     try:

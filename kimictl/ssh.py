@@ -157,7 +157,7 @@ class _KnownHostsPolicy:
     def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
         t = self.target
         hostkeys.check(t.name, hostname, key.get_name(), key.get_base64(), t.known_hosts, t.global_known_hosts,
-                          accept_new=self.accept_new)
+                       accept_new=self.accept_new)
 
 
 def _known_key_types(target: Target) -> tuple[str, ...]:

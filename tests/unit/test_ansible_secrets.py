@@ -5,8 +5,10 @@ environment and a secret in the extravars."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from kimictl.ansible import build_run_spec, run_playbook, runner_env
@@ -40,6 +42,12 @@ def test_two_runs_leave_no_secret_in_argv_env_or_artifacts(tmp_path, monkeypatch
     inventory.write_text(f"all:\n  hosts:\n    local1:\n      ansible_connection: local\n"
                          f"      ansible_python_interpreter: {sys.executable}\n")
     run_dir = tmp_path / "run"
+    # a run killed mid-playbook left its extravars; one that is running now has just written its own
+    killed, running = (tmp_path / d / "ansible/01-x/env/extravars" for d in ("killed-run", "running-run"))
+    for f, text in ((killed, SECRET), (running, "{}")):
+        f.parent.mkdir(parents=True)
+        f.write_text(text)
+    os.utime(killed, (time.time() - 3600, time.time() - 3600))
     results = [run_playbook(build_run_spec(run_dir, str(playbook), inventory, {"kimi": {"payload": SECRET}},
                                            ident=ident, hosts=["local1"]))
                for ident in ("01-first", "02-second")]
@@ -54,6 +62,7 @@ def test_two_runs_leave_no_secret_in_argv_env_or_artifacts(tmp_path, monkeypatch
         assert command["env"]["HOME"] and "HF_TOKEN" not in command["env"]
         assert (Path(r.artifacts).parents[1] / "env").stat().st_mode & 0o077 == 0
     assert Path(results[0].artifacts).parents[1] != Path(results[1].artifacts).parents[1]
+    assert not killed.exists() and running.exists()
 
 
 def test_runner_env_keeps_what_runner_and_we_set_and_drops_our_secrets():
