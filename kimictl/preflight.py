@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from kimictl import ascend
 from kimictl.errors import KimictlError
-from kimictl.facts import check_specs, hardware_catalogue, model_facts, version_profile
+from kimictl.facts import check_specs, engine_profile, hardware_catalogue, version_profile
 from kimictl.inventory import Host, Inventory
 from kimictl.plan import Plan
 from kimictl.render import render_template
@@ -37,7 +37,8 @@ def checkpoint_bytes(inv: Inventory) -> tuple[int, bool]:
             need, exact = cached_manifest_bytes(inv.cluster.name)
         except KimictlError:
             pass   # hub unreachable from here: judge against the estimate (the message says so)
-    return (need, exact) if need is not None else (model_facts().total_bytes, False)
+    facts = engine_profile(inv.cluster.kimi_engine_profile).facts(inv.cluster.kimi_model_id)
+    return (need, exact) if need is not None else (facts.total_bytes, False)
 
 
 class CheckResult(BaseModel):

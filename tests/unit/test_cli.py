@@ -23,7 +23,7 @@ def test_topologies_lists_presets() -> None:
     r = _run("topologies", "--output", "json")
     assert r.exit_code == 0
     names = [t["name"] for t in json.loads(r.stdout)["topologies"]]
-    assert names == ["a2-colocated", "a2-pd", "a3-colocated", "a3-pd"]
+    assert names == ["a2-colocated", "a2-pd", "a3-colocated", "a3-pd", "a3-pd-2p1d"]
 
 
 def test_validate_ok_and_json() -> None:
