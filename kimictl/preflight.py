@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from kimictl import ascend
 from kimictl.errors import KimictlError
-from kimictl.facts import check_specs, hardware_catalogue, model_facts, version_profile
+from kimictl.facts import VersionProfile, check_specs, engine_profile, hardware_catalogue, version_profile
 from kimictl.inventory import Host, Inventory
 from kimictl.plan import Plan
 from kimictl.render import render_template
@@ -37,7 +37,8 @@ def checkpoint_bytes(inv: Inventory) -> tuple[int, bool]:
             need, exact = cached_manifest_bytes(inv.cluster.name)
         except KimictlError:
             pass   # hub unreachable from here: judge against the estimate (the message says so)
-    return (need, exact) if need is not None else (model_facts().total_bytes, False)
+    facts = engine_profile(inv.cluster.kimi_engine_profile).facts(inv.cluster.kimi_model_id)
+    return (need, exact) if need is not None else (facts.total_bytes, False)
 
 
 class CheckResult(BaseModel):
@@ -151,6 +152,16 @@ def _pgid(p: Probe, pid: int) -> int | None:
     return None
 
 
+def driver_checks(j: _Judge, host: str, drv: str, ver: VersionProfile) -> None:
+    """VER-001 fails below kimictl's floor; VER-006 warns below the HDK upstream validates the release with."""
+    j.add("VER-001", host, bool(drv) and ascend.version_tuple(drv) >= ascend.version_tuple(ver.compat.driver_min),
+          f"driver {drv or 'not found'}; vllm-ascend {ver.version} needs >= {ver.compat.driver_min}")
+    floor = ver.compat.driver_validated
+    j.add("VER-006", host, None if not (drv and floor) else ascend.version_tuple(drv) >= ascend.version_tuple(floor),
+          f"driver {drv or 'not found'}; vllm-ascend {ver.upstream or ver.version} is validated with "
+          f"HDK {floor}" if floor else f"no validated HDK recorded for vllm-ascend {ver.version}")
+
+
 def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_bytes: int, exact: bool) -> None:
     hw = hardware_catalogue()[h.kimi_hardware]
     ver = version_profile(plan.vllm_ascend_version)
@@ -180,9 +191,7 @@ def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_
     j.add("HW-005", h.name, not foreign, "; ".join(foreign) or "no foreign process on planned NPUs")
 
     # versions
-    drv = ascend.version_of(p.text("driver"))
-    j.add("VER-001", h.name, bool(drv) and ascend.version_tuple(drv) >= ascend.version_tuple(ver.compat.driver_min),
-          f"driver {drv or 'not found'}; vllm-ascend {ver.version} needs >= {ver.compat.driver_min}")
+    driver_checks(j, h.name, ascend.version_of(p.text("driver")), ver)
     fw = ascend.version_of(p.text("firmware"))
     j.add("VER-002", h.name, bool(fw), f"firmware {fw or 'not found'}")
     if inv.cluster.kimi_runtime == "host":

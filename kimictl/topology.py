@@ -107,7 +107,8 @@ class Role(_Strict):
 
 
 class Speculative(_Strict):
-    method: Literal["eagle3"] = "eagle3"
+    method: Literal["eagle3", "dflash"] = Field(
+        "eagle3", description="eagle3 (K2.5's lightseekorg draft) or dflash (the K2.6/K2.7 recipes' z-lab drafter)")
     model_id: str
     num_speculative_tokens: dict[RoleName, int]
 

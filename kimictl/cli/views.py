@@ -32,7 +32,10 @@ def plan_view(plan: Plan) -> Group:
         inst.add_column(col)
     for i in plan.instances:
         kv = f"{i.kv_port}-{i.kv_port + i.dp * i.tp - 1}" if i.kv_port else "-"
-        inst.add_row(i.name, ", ".join(i.hosts), f"{i.dp} x {i.tp}", str(i.ep), f"{i.master_host} ({i.master_ip})",
+        hosts = ", ".join(i.hosts) if len(i.hosts) == 1 else ", ".join(
+            f"{h} (ranks {_ranges(sorted(r for e in plan.engines_on(h) if e.instance == i.name for r in e.dp_ranks))})"
+            for h in i.hosts)
+        inst.add_row(i.name, hosts, f"{i.dp} x {i.tp}", str(i.ep), f"{i.master_host} ({i.master_ip})",
                      str(i.rpc_port), kv, i.engine_id or "-")
 
     eng = Table(title="Engines (one process each)", title_justify="left")

@@ -214,3 +214,23 @@ def test_lazy_sessions_connect_in_each_and_keep_the_error(tmp_path: Path) -> Non
     (name,) = got
     assert isinstance(got[name], SSHError) and "cannot reach 127.0.0.1" in str(got[name])
     assert sessions.errors() == {name: got[name]}
+
+
+@pytest.mark.parametrize(("driver", "ver001", "ver006"), [
+    ("25.2.1", "pass", "fail"),      # kimictl's floor met, below the HDK upstream validates 0.23 with
+    ("26.0.rc1", "pass", "pass"),    # HDK 26.0.RC1 (version.info spells it lower-case)
+    ("26.0.1", "pass", "pass"),
+    ("24.1.rc2", "fail", "fail"),
+    ("", "fail", "skip"),
+])
+def test_driver_floor_and_validated_hdk(driver: str, ver001: str, ver006: str) -> None:
+    from kimictl.facts import version_profile
+    from kimictl.preflight import _Judge, driver_checks
+
+    j = _Judge(set())
+    driver_checks(j, "h1", driver, version_profile("0.23.0.post1"))
+    got = {r.id: r for r in j.results}
+    assert (got["VER-001"].status, got["VER-006"].status) == (ver001, ver006)
+    assert got["VER-006"].severity == "warning"
+    if ver006 == "fail":
+        assert "validated with HDK 26.0.RC1" in got["VER-006"].message and got["VER-006"].fix
