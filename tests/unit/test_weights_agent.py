@@ -327,12 +327,19 @@ def test_agent_boots_from_stdin_without_being_installed(tmp_path, ckpt, manifest
 
     cmd = agent_command(host_python, str(tmp_path / "m"))
     src = json.dumps(Path(agent_mod.__file__).read_text())
-    hello = json.dumps({"op": "hello", "manifest": manifest, "digest": "d", "mode": "stat"})
-    out = subprocess.run(["sh", "-c", cmd], input=f"{src}\n{hello}\n", capture_output=True, text=True, timeout=30,
-                         check=False)
-    ev = json.loads(out.stdout.splitlines()[0])
-    assert ev["ev"] == "state" and len(ev["missing"]) == len(manifest["files"]), out.stderr
+
+    def hello(mode: str) -> dict:
+        op = json.dumps({"op": "hello", "manifest": manifest, "digest": "d", "mode": mode})
+        out = subprocess.run(["sh", "-c", cmd], input=f"{src}\n{op}\n", capture_output=True, text=True, timeout=30,
+                             check=False)
+        return json.loads(out.stdout.splitlines()[0]) if out.stdout else {"stderr": out.stderr}
+
+    ev = hello("stat")
+    assert ev.get("ev") == "state" and len(ev["missing"]) == len(manifest["files"]), ev
     assert not (tmp_path / "m").exists()   # status/verify change nothing on a host without a checkpoint
+    shutil.copytree(ckpt, tmp_path / "m")   # the host's python3 (the floor's in scripts/test.sh) hashes them
+    ev = hello("full")
+    assert ev.get("ev") == "state" and sorted(ev["have"]) == sorted(f["path"] for f in manifest["files"]), ev
 
 
 def test_token_file_must_be_private(tmp_path, monkeypatch):
