@@ -753,7 +753,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 def _label_str(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
     parts = []
-    for name, value in zip(names, values, strict=True):
+    for name, value in zip(names, values):
         escaped = str(value).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
         parts.append(f'{name}="{escaped}"')
     if extra:
@@ -808,7 +808,7 @@ class Metric:
                     continue
                 counts, total, count = value
                 running = 0
-                for bound, n in zip(self.buckets, counts, strict=True):
+                for bound, n in zip(self.buckets, counts):
                     running += n
                     le = 'le="' + repr(float(bound)) + '"'
                     lines.append(f"{self.name}_bucket{_label_str(self.labels, key, le)} {float(running)!r}")

@@ -24,7 +24,9 @@ import kimictl.sandbox.engine_sim as es
 
 SIM = Path(es.__file__)
 # The fake hosts run the sim with the system interpreter and no venv; do the same when it exists.
-PYTHON = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+# the sandbox hosts' python3 (KIMICTL_HOST_PYTHON: the host Python floor's, from scripts/test.sh)
+PYTHON = os.environ.get("KIMICTL_HOST_PYTHON") or ("/usr/bin/python3" if Path("/usr/bin/python3").exists()
+                                                   else sys.executable)
 STARTUP_TIMEOUT = 20.0
 MODEL = "kimi-k2.5"
 

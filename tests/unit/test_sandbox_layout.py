@@ -128,6 +128,23 @@ def test_boot_script_mounts_private_dirs_and_execs_sshd(tmp_path):
     assert "ListenAddress 127.10.0.1:22001" in cfg
 
 
+def test_boot_script_carries_a_floor_python_under_root_past_the_hosts_fresh_root(tmp_path):
+    """pyenv's 3.9 lives under /root, which the host covers with a fresh tmpfs: it is carried past it read-only to
+    the same path (libpython is found by its install path); /usr/local/bin/python3 points at it."""
+    h = layout.plan_hosts(1, "atlas-800-a3", "netns", 0, tmp_path)[0]
+    py = {"path": "/root/.pyenv/versions/3.9.18/bin/python3.9", "version": "3.9.18",
+          "prefix": "/root/.pyenv/versions/3.9.18"}
+    lines = boot_script(h, tmp_path, "netns", py).splitlines()
+    order = [next(i for i, ln in enumerate(lines) if ln.startswith(x)) for x in (
+        "mount -t overlay overlay -o 'lowerdir=/usr/local,",
+        "mount --bind '/root/.pyenv/versions/3.9.18' /run/kimi-python", "mount -o remount,bind,ro /run/kimi-python",
+        "mount -t tmpfs -o mode=700,size=256m tmpfs /root", "mkdir -p '/root/.pyenv/versions/3.9.18'",
+        "mount --move /run/kimi-python '/root/.pyenv/versions/3.9.18'", "exec /usr/sbin/sshd")]
+    assert order == sorted(order)
+    for visible in (None, {**py, "prefix": "/usr"}):   # nothing to carry
+        assert "/run/kimi-python" not in boot_script(h, tmp_path, "netns", visible)
+
+
 @pytest.mark.parametrize("bad", ["/etc/sb", "/var/lib/kimi-sb", "/opt", "/usr/local/sb", "/root/sb"])
 def test_sandbox_dir_must_not_be_under_a_private_mount(bad):
     with pytest.raises(InvalidInput, match="mounts over"):
