@@ -126,6 +126,8 @@ KEYS: dict[str, Key] = {
     "kimi_vllm_ascend_version": Key("cluster", "vllm-ascend version profile, default the newest"),
     "kimi_runtime": Key("cluster", "container (default) or host"),
     "kimi_proxy_host": Key("cluster", "inventory host that runs the P/D proxy, default the first prefill host"),
+    "kimi_monitor_host": Key("cluster", "inventory host that runs Prometheus (`kimictl observe up`), default the "
+                                        "proxy host"),
     "kimi_api_key_file": Key("cluster", "file on the control node (mode 0600) holding the key clients must send "
                                         "to the proxy (Authorization: Bearer); unset: no key"),
     "kimi_draft_model_dir": Key("cluster", "eagle3 draft checkpoint path; setting it enables speculative decoding"),
@@ -158,6 +160,7 @@ class ClusterSettings(BaseModel):
     kimi_vllm_ascend_version: Annotated[str, AfterValidator(_known_version)] | None = None
     kimi_runtime: Literal["container", "host"] = "container"
     kimi_proxy_host: str | None = None
+    kimi_monitor_host: str | None = None
     kimi_api_key_file: AbsPath | None = None
     kimi_draft_model_dir: AbsPath | None = None
     kimi_media_dir: MediaDir = "/var/lib/kimi/media"
@@ -429,7 +432,7 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
                     c.err(line, f"host {h.name}: device IP {ip} is also used by {seen_dev[ip]}")
                 seen_dev.setdefault(ip, h.name)
     names = [h.name for h in hosts]
-    if cluster.kimi_proxy_host and cluster.kimi_proxy_host not in names:
-        c.err(c.all_origin["kimi_proxy_host"].line,
-              f"all.vars: kimi_proxy_host '{cluster.kimi_proxy_host}' is not an inventory host"
-                 + _dym(cluster.kimi_proxy_host, names))
+    for key in ("kimi_proxy_host", "kimi_monitor_host"):
+        value = getattr(cluster, key)
+        if value and value not in names:
+            c.err(c.all_origin[key].line, f"all.vars: {key} '{value}' is not an inventory host" + _dym(value, names))
