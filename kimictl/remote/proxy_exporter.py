@@ -123,7 +123,7 @@ def handler_for(exporter):
     class Handler(http.server.BaseHTTPRequestHandler):
         server_version = "kimi-proxy-exporter"
 
-        def do_GET(self):  # noqa: N802 (http.server's name)
+        def do_GET(self):
             path = self.path.partition("?")[0]
             m = ROUTER_PATH.match(path)
             if path == "/metrics":

@@ -658,8 +658,10 @@ def test_prefill_then_decode_by_hand_moves_both_sides(pd_pair):
     assert d_metrics["vllm:generation_tokens_total"] == 9
     # vLLM's prompt token sources: prefill computed the prompt, decode got all of it over the KV hand-over
     by_source = "vllm:prompt_tokens_by_source_total{%s}"
-    assert p_metrics[by_source % "local_compute"] == prompt_tokens and p_metrics[by_source % "external_kv_transfer"] == 0
-    assert d_metrics[by_source % "external_kv_transfer"] == prompt_tokens and d_metrics[by_source % "local_compute"] == 0
+    assert p_metrics[by_source % "local_compute"] == prompt_tokens
+    assert p_metrics[by_source % "external_kv_transfer"] == 0
+    assert d_metrics[by_source % "external_kv_transfer"] == prompt_tokens
+    assert d_metrics[by_source % "local_compute"] == 0
     assert d_metrics["vllm:request_time_per_output_token_seconds_count"] == 1, "one request of 9 tokens: one TPOT"
     assert p_metrics["vllm:request_time_per_output_token_seconds_count"] == 0, "prefill answers 1 token: no TPOT"
     assert 0 < p_metrics["process_start_time_seconds"] <= time.time()

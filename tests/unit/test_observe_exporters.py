@@ -66,7 +66,7 @@ class Stub(http.server.ThreadingHTTPServer):
 
     def __init__(self):
         class H(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802
+            def do_GET(self):
                 body = b'{"data": [{"id": "kimi-k2.5"}]}'
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
@@ -127,7 +127,8 @@ def test_proxy_exporter_reports_real_router_membership_and_relays_its_metrics(pr
     assert m[("kimi_proxy_router_up", (("port", str(router[0])), ("router", "0")))] == 1
     assert m[("kimi_proxy_router_up", (("port", str(dead[0])), ("router", "1")))] == 0
     workers = {k[1]: v for k, v in m.items() if k[0] == "kimi_proxy_router_workers"}
-    assert workers == {(("router", "0"), ("worker_type", "decode")): 2, (("router", "0"), ("worker_type", "prefill")): 1}
+    assert workers == {(("router", "0"), ("worker_type", "decode")): 2,
+                       (("router", "0"), ("worker_type", "prefill")): 1}
     urls = {dict(k[1])["url"] for k in m if k[0] == "kimi_proxy_router_worker"}
     assert urls == {e.url for e in engines}
 

@@ -71,7 +71,7 @@ def metrics():
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802
+    def do_GET(self):
         if self.path.partition("?")[0] != "/metrics":
             code, body = 404, b"NPU-Exporter (sandbox double): /metrics\n"
         else:
