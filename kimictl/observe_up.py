@@ -235,16 +235,17 @@ def observe_up(plan: Plan, inv: Inventory, r: ObserveRender, *, say: Callable[[s
     say("monitoring: " + ", ".join(f"{h} (start {', '.join(a['start']) or '-'}; keep {', '.join(a['keep']) or '-'}"
                                    + (f"; stop {', '.join(a['stop'])}" if a["stop"] else "") + ")"
                                    for h, a in sorted(actions.items())))
-    from kimictl.ansible import close_control_masters
+    if stops or starts:  # every process runs with the tag of exactly these files and commands: nothing to do
+        from kimictl.ansible import close_control_masters
 
-    try:
-        ops._playbook("observe.yml", {
-            "state_dir_of": ops.state_dir_of, "monitor_host": r.monitor_host, "prometheus_files": str(prom_files),
-            "bin": {"supervisor.py": str(SUPERVISOR_SRC), "proxy_exporter.py": str(PROXY_EXPORTER_SRC)},
-            "actions": {h: {"stop": stops.get(h, []), "start": starts.get(h, [])} for h in hosts},
-            "grace": STOP_GRACE_S}, hosts)
-    finally:
-        close_control_masters(ops.run_dir)
+        try:
+            ops._playbook("observe.yml", {
+                "state_dir_of": ops.state_dir_of, "monitor_host": r.monitor_host, "prometheus_files": str(prom_files),
+                "bin": {"supervisor.py": str(SUPERVISOR_SRC), "proxy_exporter.py": str(PROXY_EXPORTER_SRC)},
+                "actions": {h: {"stop": stops.get(h, []), "start": starts.get(h, [])} for h in hosts},
+                "grace": STOP_GRACE_S}, hosts)
+        finally:
+            close_control_masters(ops.run_dir)
     targets = wait_scraped(r.prometheus_url, r, cfg, ready_timeout, say)
     res = UpResult(plan.cluster, r.prometheus_url, r.monitor_host, r.profile, r.target_total,
                    up=[t for t in targets if t["health"] == "up"], actions=actions, node_exporter=node,
