@@ -214,3 +214,15 @@ def test_observe_render_cli_writes_the_files_and_json(tmp_path):
     res = CliRunner().invoke(app, ["observe", "render", "-i", str(INV / "a3-pd.yml"), "--topology", "a3-pd",
                                    "--out", str(out), "--profile", "nope"])
     assert res.exit_code == 2 and "unknown monitoring profile" in res.stderr
+
+
+def test_observe_up_print_changes_nothing_and_prints_the_fragment(tmp_path, monkeypatch):
+    monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path))
+    args = ["observe", "up", "-i", str(INV / "a3-pd.yml"), "--print", "--prefix", "/srv/prom/kimi"]
+    res = CliRunner().invoke(app, [*args, "--topology", "a3-pd"])
+    assert res.exit_code == 0, res.output
+    merge = yaml.safe_load(res.stdout)
+    assert merge["rule_files"] == ["/srv/prom/kimi/rules/kimi-kimi-a3.yml"] and len(merge["scrape_configs"]) == 5
+    assert not list(tmp_path.iterdir()), "--print writes nothing, runs nothing"
+    res = CliRunner().invoke(app, [*args, "--output", "json"])  # no --topology and nothing deployed
+    assert res.exit_code == 2 and "pass --topology" in json.loads(res.stdout)["error"]["hint"]
