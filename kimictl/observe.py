@@ -233,6 +233,21 @@ def scrape_targets(plan: Plan, inv: Inventory, cfg: ObserveConfig) -> dict[str, 
     return {j: groups for j, groups in out.items() if groups}
 
 
+def check_ports(plan: Plan, inv: Inventory, cfg: ObserveConfig) -> None:
+    """A monitoring port that a planned engine, kv_port range or proxy also uses on a host is exit 2."""
+    uses = [(h, cfg.node_exporter.port, "node_exporter") for h in plan.host_roles]
+    uses += [(h, cfg.npu_exporter.port, "npu-exporter") for h in plan.host_roles]
+    if plan.proxy:
+        uses.append((plan.proxy.host, cfg.proxy_exporter.port, "the proxy exporter"))
+    uses.append((monitor_host(plan, inv), cfg.prometheus.port, "Prometheus"))
+    clashes = [f"host {h}: {what} port {port} is inside {u.what} (ports {u.first}-{u.last})"
+               for h, port, what in uses for u in plan.ports if u.host == h and u.first <= port <= u.last]
+    if clashes:
+        raise InvalidInput(f"monitoring ports collide with the plan on {len(clashes)} host(s)", details=clashes,
+                           hint="change ports in the topology (ports, proxy.port) or the monitoring ports in "
+                                "kimictl/data/observe.yml")
+
+
 def target_count(targets: dict[str, list[dict[str, Any]]], *, merge: bool = False) -> int:
     return sum(len(g) for j, g in targets.items() if not (merge and j == PROM_JOB))
 
@@ -375,6 +390,7 @@ def render_observe(plan: Plan, inv: Inventory, topo: Topology, profile: str = "d
     from kimictl.render import render_template
 
     cfg = load_config(profile)
+    check_ports(plan, inv, cfg)
     prefix = (prefix or default_prefix(plan.cluster)).rstrip("/")
     targets = scrape_targets(plan, inv, cfg)
     ctx = _rules_context(plan, inv, topo, cfg)

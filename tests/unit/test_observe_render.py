@@ -226,3 +226,12 @@ def test_observe_up_print_changes_nothing_and_prints_the_fragment(tmp_path, monk
     assert not list(tmp_path.iterdir()), "--print writes nothing, runs nothing"
     res = CliRunner().invoke(app, [*args, "--output", "json"])  # no --topology and nothing deployed
     assert res.exit_code == 2 and "pass --topology" in json.loads(res.stdout)["error"]["hint"]
+
+
+def test_a_monitoring_port_inside_a_planned_range_is_refused(inventory_factory):
+    topo = yaml.safe_load((REPO / "kimictl/data/topologies/a3-pd.yml").read_text())
+    topo["ports"]["http_base"] = 9098  # decode's 4 ranks take 9098-9101: node_exporter's 9100 is one of them
+    with pytest.raises(InvalidInput) as e:
+        render("a3-pd.yml", str(inventory_factory(topo, "t.yml")))
+    assert "monitoring ports collide" in e.value.message
+    assert any("node_exporter port 9100 is inside decode-0-dp2 HTTP" in d for d in e.value.details)
