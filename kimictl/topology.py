@@ -113,6 +113,14 @@ class Speculative(_Strict):
     num_speculative_tokens: dict[RoleName, int]
 
 
+class Slo(_Strict):
+    """Serving targets the monitoring alerts against (unset fields: kimictl/data/observe.yml's slo)."""
+
+    tpot_ms: float | None = Field(None, gt=0, description="time per output token target, ms, at the quantile")
+    ttft_ms: float | None = Field(None, gt=0, description="time to first token target, ms, at the quantile")
+    quantile: float | None = Field(None, gt=0, lt=1, description="the quantile the targets hold for, e.g. 0.9")
+
+
 class Topology(_Strict):
     """A deployment shape: which roles exist, how big each instance is, and how engines are tuned."""
 
@@ -130,6 +138,7 @@ class Topology(_Strict):
     serve: ServeMap = Field(default_factory=dict)
     roles: dict[RoleName, Role]
     speculative: Speculative | None = None
+    slo: Slo | None = Field(None, description="serving targets for `kimictl observe` alerts")
     source: str = Field("", exclude=True)
 
     @field_validator("hardware")

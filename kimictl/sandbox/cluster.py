@@ -366,6 +366,7 @@ class Sandbox:
         else:
             Path(h.state_dir or h.dir / "state").mkdir(parents=True, exist_ok=True)
         _install_script(PKG_DIR / "doubles" / "npu_smi.py", usr_local / "bin" / "npu-smi")
+        _install_script(PKG_DIR / "doubles" / "npu_exporter.py", usr_local / "bin" / "npu-exporter")
         _install_hccn_tool(usr_local / "Ascend/driver/tools", f"{ascend_root}/driver/tools")
         _write(usr_local / "Ascend/driver/version.info", layout.driver_version_info())
         _write(usr_local / "Ascend/firmware/version.info", layout.firmware_version_info())
@@ -954,6 +955,11 @@ def boot_script(h: HostSpec, directory: Path, mode: str, host_python: dict[str, 
             lines += [f"mkdir -p '{prefix}'", f"mount --move /run/kimi-python '{prefix}'"]
     else:
         lines.append(f"mkdir -p '{h.state_dir}'")
+    # the site's NPU-Exporter (a double reading the host state), on its default port like a real Atlas host's
+    exporter = "/usr/local/bin/npu-exporter" if mode == "netns" else \
+        f"KIMI_SIM_DIR='{h.sim_dir}' '{h.root / 'usr/local/bin/npu-exporter'}'"
+    lines.append(f"{exporter} -ip={h.ip} -port={layout.NPU_EXPORTER_PORT} -enableHTTP=true "
+                 f">>'{h.dir / 'npu-exporter.log'}' 2>&1 </dev/null &")
     lines += [f"/usr/sbin/sshd -t -f '{h.dir / 'sshd_config'}'",
               f"exec /usr/sbin/sshd -D -e -f '{h.dir / 'sshd_config'}'"]
     return "\n".join(lines) + "\n"

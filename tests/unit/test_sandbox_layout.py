@@ -121,6 +121,11 @@ def test_boot_script_mounts_private_dirs_and_execs_sshd(tmp_path):
         assert f"lowerdir={d}," in script
     assert "hostname atlas-01" in script and "/tmp" not in script.replace(str(tmp_path), "")
     assert script.rstrip().splitlines()[-1].startswith("exec /usr/sbin/sshd -D")
+    # the site's npu-exporter (the double) starts once the host's own /usr/local is mounted, on the host's IP
+    lines = script.splitlines()
+    exporter = next(i for i, line in enumerate(lines) if "npu-exporter" in line)
+    assert exporter > next(i for i, line in enumerate(lines) if "lowerdir=/usr/local," in line)
+    assert f"/usr/local/bin/npu-exporter -ip={h.ip} -port=8082 " in lines[exporter] and lines[exporter].endswith("&")
     loop = layout.plan_hosts(1, "atlas-800-a3", "loopback", 0, tmp_path)[0]
     assert "mount -t" not in boot_script(loop, tmp_path, "loopback")
     cfg = sshd_config(loop, tmp_path, {"KIMI_SIM_DIR": str(loop.sim_dir)})
