@@ -72,7 +72,7 @@ class RateLimitedLog:
                 log(f"({dropped} more '{kind}' line(s) left out in {LOG_WINDOW:.0f}s)")
             start, shown, dropped = now, 0, 0
         if shown < LOG_BURST:
-            log(message)
+            log(message[:500])
             shown += 1
         else:
             dropped += 1
