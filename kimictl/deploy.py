@@ -20,7 +20,7 @@ from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import Rendered, write_rendered
 from kimictl.secret_file import proxy_admin_key, proxy_admin_key_path, proxy_api_key
-from kimictl.ssh import Sessions, SSHError
+from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 from kimictl.state import cached_manifest_bytes, control_dir, save_preflight
 
 SUPERVISOR_SRC = Path(__file__).parent / "supervisor.py"
@@ -187,7 +187,8 @@ class EngineOps:
         self.n_runs += 1
         ident = f"{self.n_runs:02d}-{name.removesuffix('.yml')}"
         spec = build_run_spec(self.run_dir, name, Path(self.inv.path), {"kimi": extravars}, ident=ident,
-                              hosts=[h.name for h in self.inv.hosts], limit=hosts)
+                              hosts=[h.name for h in self.inv.hosts], limit=hosts,
+                              host_key_args=ansible_host_key_args(self.inv, self.opts.accept_new_host_keys))
         t0 = time.monotonic()
         res = run_playbook(spec, self.on_event)
         self.timings[ident] = round(time.monotonic() - t0, 2)

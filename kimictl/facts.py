@@ -293,3 +293,23 @@ def engine_profile(name: str | None) -> EngineProfile:
     except KeyError:
         raise InvalidInput(f"kimi_engine_profile: unknown engine profile '{name}'; "
                            f"known: {', '.join(sorted(profiles))}") from None
+
+
+class SystemDirs(Strict):
+    exact: frozenset[str]
+    tree: tuple[str, ...]
+
+    def why_refused(self, path: str) -> str | None:
+        """Why `path` (absolute, normalised) may not be a kimictl directory, or None when it may."""
+        if path in self.exact or path in self.tree:
+            return f"'{path}' is a system directory"
+        for top in self.tree:
+            if path.startswith(top + "/"):
+                return f"'{path}' is inside the system directory '{top}'"
+        return None
+
+
+@functools.cache
+def system_dirs() -> SystemDirs:
+    """Directories refused as state/model/media directories (data/system_dirs.yml)."""
+    return SystemDirs(**_load(DATA_DIR / "system_dirs.yml"))

@@ -403,12 +403,22 @@ class BundleResult:
                 "hosts": self.hosts, "skipped_short_secrets": self.skipped_short_secrets}
 
 
-def write_tarball(dest: Path, members: dict[str, str]) -> int:
-    """gzip tarball with mode 0600, written to a temp file in the same directory and renamed into place."""
+def check_bundle_dest(dest: Path) -> Path:
+    """--bundle FILE: its directory exists and FILE is not a directory (exit 2 before anything is collected)."""
     dest = Path(dest)
     parent = dest.parent if str(dest.parent) else Path(".")
     if not parent.is_dir():
         raise InvalidInput(f"cannot write the bundle: directory {parent} does not exist")
+    if dest.is_dir():
+        raise InvalidInput(f"cannot write the bundle: {dest} is a directory",
+                           hint=f"give a file name, e.g. {dest / 'kimi-diagnostics.tar.gz'}")
+    return parent
+
+
+def write_tarball(dest: Path, members: dict[str, str]) -> int:
+    """gzip tarball with mode 0600, written to a temp file in the same directory and renamed into place."""
+    dest = Path(dest)
+    parent = check_bundle_dest(dest)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=parent)
     try:
         os.fchmod(fd, 0o600)
@@ -431,6 +441,7 @@ def build_bundle(inv: Inventory, dest: Path, redactor: Redactor, *,
                  say: Callable[[str], None] = lambda _m: None) -> BundleResult:
     """Collect every host's diagnostics and the control node's records; redact; write one tarball."""
     cluster = inv.cluster.name
+    check_bundle_dest(dest)
     say(f"collecting from {len(inv.hosts)} host(s)")
     got = collect_host_files(inv, max_file_bytes)
     members: dict[str, str] = {}

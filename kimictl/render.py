@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from kimictl.errors import RenderError
+from kimictl.errors import InvalidInput, RenderError
 from kimictl.facts import engine_profile, hardware_catalogue, version_profile
 from kimictl.inventory import Inventory
 from kimictl.plan import Engine, Plan
@@ -342,6 +342,16 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
         }
         out["manifest.json"] = render_template("manifest.json.j2", manifest=manifest)
     return Rendered(plan=plan, engines=engines, proxy=proxy, files=files, releases=releases)
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """`--out DIR` must be a directory or creatable as one (exit 2 before anything is written)."""
+    for p in (out_dir, *out_dir.absolute().parents):
+        if p.exists():
+            if not p.is_dir():
+                raise InvalidInput(f"--out {out_dir}: {p} exists and is not a directory",
+                                   hint="give a directory (it is created when missing)")
+            return
 
 
 def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:

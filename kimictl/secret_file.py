@@ -5,22 +5,37 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kimictl.errors import InvalidInput
-from kimictl.inventory import Inventory
 from kimictl.state import control_dir
+
+if TYPE_CHECKING:
+    from kimictl.inventory import Inventory
 
 
 def read_secret_file(path: Path, what: str) -> str:
-    """The file's content without surrounding whitespace; exit 2 when missing, empty or readable by others."""
+    """The file's content without surrounding whitespace; exit 2 when missing, not a regular file, readable by
+    others or empty."""
     try:
-        st = path.stat()
-        text = path.read_text().strip()
+        # O_NONBLOCK: a FIFO put where the key should be must not hang the command
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise InvalidInput(f"{what} {path}: {exc.strerror}") from None
-    if st.st_mode & 0o077:
-        raise InvalidInput(f"{what} {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidInput(f"{what} {path} is not a regular file")
+        if st.st_mode & 0o077:
+            raise InvalidInput(f"{what} {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+        try:
+            text = os.read(fd, 1 << 20).decode().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidInput(f"{what} {path}: cannot read it: {exc}") from None
+    finally:
+        os.close(fd)
     if not text:
         raise InvalidInput(f"{what} {path} is empty")
     return text

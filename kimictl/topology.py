@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -16,13 +17,15 @@ PRESET_DIR = DATA_DIR / "topologies"
 RoleName = Literal["prefill", "decode", "colocated"]
 
 # Flags kimictl computes from the plan; a topology setting them would break ranks, ports or the connector.
+# `config` reads more flags from a YAML file on the host, where any of these could hide.
 RESERVED_FLAGS = {
     "host", "port", "data-parallel-size", "data-parallel-rank", "data-parallel-address",
     "data-parallel-rpc-port", "data-parallel-size-local", "data-parallel-start-rank", "headless",
     "tensor-parallel-size", "kv-transfer-config", "served-model-name", "allowed-local-media-path",
-    "speculative-config", "model",
+    "speculative-config", "model", "config",
 }
-_FLAG = r"^[a-z0-9][a-z0-9-]*$"
+_FLAG = re.compile(r"[a-z0-9][a-z0-9-]*")
+_NUMBER = re.compile(r"-(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def _positive_int(v: Any) -> bool:
@@ -41,8 +44,9 @@ SERVE_TYPES: dict[str, tuple[Any, str]] = {
     "compilation-config": (lambda v: isinstance(v, dict), "a mapping (it is rendered as JSON)"),
 }
 # Env values kimictl reads: HCCL_BUFFSIZE sizes the reserve in the HBM fit.
-ENV_TYPES = {"HCCL_BUFFSIZE": (lambda v: v.isdigit() and int(v) > 0, "a positive integer number of MiB")}
-_ENV = r"^[A-Z_][A-Z0-9_]*$"
+ENV_TYPES = {"HCCL_BUFFSIZE": (lambda v: v.isascii() and v.isdigit() and int(v) > 0,
+                               "a positive integer number of MiB")}
+_ENV = re.compile(r"[A-Z_][A-Z0-9_]*")
 ServeValue = bool | int | float | str | dict[str, Any] | list[Any]
 
 
@@ -59,7 +63,8 @@ ServeMap = Annotated[dict[str, ServeValue], AfterValidator(_check_serve_map)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a count written as "4", 4.0 or true is an error naming the field, not silently 4 (or 1)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Ports(_Strict):
@@ -168,26 +173,36 @@ class Topology(_Strict):
 
 
 def _check_env(v: dict[str, str]) -> dict[str, str]:
-    import re
-
     for k, val in v.items():
-        if not re.match(_ENV, k):
-            raise ValueError(f"env name '{k}' must match {_ENV}")
+        if not _ENV.fullmatch(k):
+            raise ValueError(f"env name {k!r} must be upper-case letters, digits and '_' ({_ENV.pattern})")
         if k in ENV_TYPES and not ENV_TYPES[k][0](val):
             raise ValueError(f"env '{k}' is '{val}'; it must be {ENV_TYPES[k][1]}")
     return v
 
 
-def _check_serve(v: dict[str, ServeValue]) -> dict[str, ServeValue]:
-    import re
+def _reserved_why(flag: str) -> str:
+    if flag == "config":
+        return "reads more flags from a file on the host, where reserved ones could hide (set flags under serve)"
+    return "is computed by kimictl from the plan"
 
+
+def _check_serve(v: dict[str, ServeValue]) -> dict[str, ServeValue]:
     for k in v:
         if k.startswith("-"):
             raise ValueError(f"serve flag '{k}': write it without leading dashes")
-        if not re.match(_FLAG, k):
-            raise ValueError(f"serve flag '{k}' must be lower-case words joined by '-'")
+        if not _FLAG.fullmatch(k):
+            raise ValueError(f"serve flag {k!r} must be lower-case words joined by '-'")
         if k in RESERVED_FLAGS:
-            raise ValueError(f"serve flag '{k}' is computed by kimictl from the plan; remove it from the topology")
+            raise ValueError(f"serve flag '{k}' {_reserved_why(k)}; remove it from the topology")
+        # vLLM's parser (argparse) takes any unambiguous prefix of a flag: --tensor-parallel is --tensor-parallel-size
+        abbreviates = sorted(r for r in RESERVED_FLAGS if r.startswith(k))
+        if abbreviates:
+            raise ValueError(f"serve flag '{k}' abbreviates '{abbreviates[0]}', which {_reserved_why(abbreviates[0])}; "
+                             "remove it from the topology")
+        if isinstance(v[k], str) and v[k].startswith("-") and not _NUMBER.fullmatch(v[k]):
+            raise ValueError(f"serve flag '{k}' is {v[k]!r}: a value starting with '-' would be read as another "
+                             "flag")
         check = SERVE_TYPES.get(k)
         if check and v[k] is not False and not check[0](v[k]):
             raise ValueError(f"serve flag '{k}' is {v[k]!r}; it must be {check[1]}")
@@ -243,6 +258,19 @@ def _describe(err: dict, doc: Any, path: Path) -> str:
             line = node.line_of(named[0])
     if err["type"] == "missing":
         msg = "required"
+    elif err["type"] == "int_type":
+        msg = "must be an integer" + _int_hint(value)
     elif err["type"].endswith("_type") or err["type"] == "literal_error":
         msg += yaml_type_hint(value)
     return f"{path}:{line}: {field}: {msg}"
+
+
+def _int_hint(value: Any) -> str:
+    if isinstance(value, bool):
+        return f" (YAML read this as the boolean {value}; write a number)"
+    if isinstance(value, str):
+        quoted = value.strip().lstrip("+-").isdigit()
+        return f" (YAML read this as the text {value!r}" + ("; write the number without quotes)" if quoted else ")")
+    if isinstance(value, float):
+        return f" (got {value!r}; write it without a decimal point)"
+    return ""

@@ -102,9 +102,11 @@ def render(
 ) -> None:
     """Render per-host launch artifacts: engine env + launch scripts, container specs, proxy command."""
     from kimictl.pipeline import prepare
+    from kimictl.render import check_out_dir, write_rendered
     from kimictl.render import render as do_render
-    from kimictl.render import write_rendered
 
+    if out is not None:
+        check_out_dir(out)
     p = prepare(inventory, topology)
     rendered = do_render(p.plan, p.inventory, p.topology)
     if out is not None:

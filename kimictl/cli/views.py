@@ -101,8 +101,9 @@ def topologies_view(topos: list[Topology]) -> Table:
 def print_to_stdout(renderable) -> None:
     import sys
 
-    # Piped output (CI logs) gets a wide fixed width instead of rich's 80 columns.
-    Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160).print(renderable)
+    # Piped output (CI logs) gets a wide fixed width instead of rich's 80 columns. crop=False: a line that must stay
+    # one line (no_wrap, e.g. one per unreachable host) runs past the width instead of being cut.
+    Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160).print(renderable, crop=False)
 
 
 def preflight_view(report: PreflightReport) -> Group:
@@ -148,6 +149,8 @@ def status_view(doc: dict) -> Group:
                   f"{e['hbm_used_mb']['max_per_npu'] / 1024:.1f} GiB" if e.get("hbm_used_mb") else "",
                   pct(m.get("ttft_s")), pct(m.get("itl_s")))
     parts: list = [head, t]
+    parts += [Text(f"{e['host']}: unreachable: {e.get('detail', '')}", style="bold red", no_wrap=True,
+                   overflow="ignore") for e in doc["engines"] if e["state"] == "unreachable"]
     if doc["proxy"]:
         p = doc["proxy"]
         members = [m["members"] for m in p.get("membership", []) if "members" in m]

@@ -30,7 +30,7 @@ from kimictl.sandbox.layout import HARDWARE, HostSpec, Names
 Log = Callable[[str], None]
 SLOTS_DIR = Path("/var/tmp/kimictl-sandbox.slots")
 SLOT_GRACE_S = 120
-CLUSTER_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+CLUSTER_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 # the fake hosts mount over these, so the sandbox directory must not live below them
 FORBIDDEN_DIR_PARENTS = ("/var/lib", "/opt", "/usr/local", "/etc", "/run", "/root", "/proc", "/sys", "/dev")
 PRIVATE_DIRS = ("/var/lib", "/opt", "/usr/local", "/etc")
@@ -177,8 +177,8 @@ class Sandbox:
             raise InvalidInput(f"--hosts {n} is out of range; expected 1..{layout.MAX_HOSTS}")
         if hardware not in HARDWARE:
             raise InvalidInput(f"invalid --hardware '{hardware}'; expected one of {', '.join(HARDWARE)}")
-        if not CLUSTER_NAME.match(cluster):
-            raise InvalidInput(f"invalid --name '{cluster}'; expected [a-z0-9][a-z0-9-]{{0,62}}")
+        if not CLUSTER_NAME.fullmatch(cluster):
+            raise InvalidInput(f"invalid --name {cluster!r}; expected [a-z0-9][a-z0-9-]{{0,62}}")
         if mode not in (None, "netns", "loopback"):
             raise InvalidInput(f"invalid mode '{mode}'; expected netns or loopback")
         names = [layout.host_name(i) for i in range(1, n + 1)]

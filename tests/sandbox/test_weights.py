@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import SandboxHandle, _bring_up, kimictl
+from conftest import ArgvWatch, SandboxHandle, _bring_up, kimictl
 
 pytestmark = pytest.mark.sandbox
 MODEL_DIR = "/var/lib/kimi/models/Kimi-K2.5-W4A8"
@@ -207,11 +207,14 @@ def test_unsafe_listing_is_refused_before_any_byte_is_written(sb):
 
 
 def test_hub_token_never_shows(sb, tmp_path):
+    """From the environment or a token file, the token reaches the hub and nothing else: no output, no file on the
+    control node (Ansible's artifacts included) or a host, no process's command line while the pulls run."""
     from kimictl.weights.fakehub import FakeHub
 
     token = "kimi-secret-7f3a9c1e5b"
     inv = yaml.safe_load(sb.inventory.read_text())
     bridge = inv["all"]["vars"]["kimi_model_endpoint"].split("//")[1].split(":")[0]
+    state = Path(os.environ["KIMICTL_STATE_DIR"])
     with FakeHub({"Eco-Tech/Kimi-K2.5-W4A8": sb.dir / "checkpoint"}, bridge, 0, token=token) as h:
         inv["all"]["vars"]["kimi_model_endpoint"] = h.url
         inv["all"]["vars"]["kimi_model_dir"] = "/var/lib/kimi/models/tokened"
@@ -225,16 +228,23 @@ def test_hub_token_never_shows(sb, tmp_path):
         loose = kimictl("weights", "pull", "-i", str(path), "--token-file", str(tok))
         assert loose.returncode == 2 and "chmod 600" in loose.stderr
         tok.chmod(0o600)
-        h.reset_stats()
-        r = kimictl("weights", "pull", "-i", str(path), "--token-file", str(tok))
-        assert r.returncode == 0, r.stderr
-        reqs = [req for req in h.requests() if req["path"].startswith("/api/v1/models/")]
-        assert reqs and all(req["auth"] for req in reqs)
-    for out in (no_token.stdout, no_token.stderr, r.stdout, r.stderr):
+        runs = []
+        # the client's variable; then a token file, with the token also lying in an unrelated variable
+        for args, env in (((), {"MODELSCOPE_API_TOKEN": token}), (("--token-file", str(tok)), {"HF_TOKEN": token})):
+            h.reset_stats()
+            before = set(state.rglob("weights-prepare/command"))
+            with ArgvWatch(token) as watch:
+                r = kimictl("weights", "pull", "-i", str(path), *args, env=env)
+            assert r.returncode == 0, r.stderr
+            reqs = [req for req in h.requests() if req["path"].startswith("/api/v1/models/")]
+            assert reqs and all(req["auth"] for req in reqs)
+            assert watch.samples > 10 and watch.hits == []
+            assert set(state.rglob("weights-prepare/command")) - before, "the peer-key playbook did not run"
+            runs.append(r)
+            for host in sb.hosts:
+                assert sb.ssh(host, f"grep -rl {token} /var/lib/kimi /root 2>/dev/null").stdout == ""
+                sb.ssh(host, "rm -rf /var/lib/kimi/models/tokened")
+    for out in (no_token.stdout, no_token.stderr, *(x for r in runs for x in (r.stdout, r.stderr))):
         assert token not in out
-    state = Path(os.environ["KIMICTL_STATE_DIR"])
     leaks = subprocess.run(["grep", "-rl", token, str(state)], check=False, capture_output=True, text=True)
     assert leaks.stdout == ""
-    for host in sb.hosts:
-        assert sb.ssh(host, f"grep -rl {token} /var/lib/kimi /root 2>/dev/null").stdout == ""
-        sb.ssh(host, "rm -rf /var/lib/kimi/models/tokened")

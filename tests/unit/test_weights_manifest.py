@@ -241,6 +241,8 @@ def test_model_validation() -> None:
         FileEntry(path="../x", size=1, sha256="a" * 64)
     with pytest.raises(ValueError, match="not a hex digest"):
         FileEntry(path="x", size=1, sha256="xyz")
+    with pytest.raises(ValueError, match="not a hex digest"):
+        FileEntry(path="x", size=1, sha256="a" * 64 + "\n")
     with pytest.raises(ValueError, match="could not be verified"):
         FileEntry(path="x", size=1)
     assert FileEntry(path="x", size=1, sha256="AB" * 32).sha256 == "ab" * 32
