@@ -19,10 +19,12 @@ from kimictl.resources import templates_dir
 from kimictl.topology import Topology
 
 RENDER_SCHEMA_VERSION = 1
-# Under a host's kimi_state_dir: the proxy front (shipped like the supervisor), its state, the clients' API key.
+# Under a host's kimi_state_dir: the proxy front (shipped like the supervisor), its state, the clients' API key,
+# the admin key of the routers' own API behind it.
 PROXY_FRONT = "bin/proxy_front.py"
 PROXY_FRONT_STATE = "run/proxy-front/state.json"
 PROXY_API_KEY = "secrets/proxy-api-key"
+PROXY_ADMIN_KEY = "secrets/proxy-admin-key"
 ASCEND_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
 # Host paths the vllm-ascend docs bind into every container (vllm-ascend.md §2), read-only.
 ASCEND_MOUNTS = (
@@ -242,6 +244,12 @@ def front_argv(plan: Plan, inv: Inventory) -> list[str]:
         argv += ["--router", f"{r.port}:{r.metrics_port}"]
     if p.api_key:
         argv += ["--api-key-file", f"{sd}/{PROXY_API_KEY}"]
+    if p.admin_key:
+        argv += ["--admin-key-file", f"{sd}/{PROXY_ADMIN_KEY}"]
+    lim = p.limits
+    argv += ["--max-connections", str(lim.max_connections), "--max-body", str(lim.max_body_mib * 2**20),
+             "--header-timeout", str(lim.header_timeout_s), "--io-timeout", str(lim.io_timeout_s),
+             "--idle-timeout", str(lim.idle_timeout_s)]
     return [*argv, "--", *proxy_argv(plan, inv)]
 
 
@@ -332,7 +340,7 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             ],
             "proxy": None if not (plan.proxy and plan.proxy.host == host) else
             {"port": plan.proxy.port, "command": ["bash", "proxy/proxy.sh"], "routers": len(plan.proxy.routers),
-             "api_key": plan.proxy.api_key},
+             "api_key": plan.proxy.api_key, "admin_key": plan.proxy.admin_key},
         }
         out["manifest.json"] = render_template("manifest.json.j2", manifest=manifest)
     return Rendered(plan=plan, engines=engines, proxy=proxy, files=files, releases=releases)
