@@ -12,7 +12,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kimictl import health
+from kimictl import health, remote
 from kimictl.ansible import build_run_spec, close_control_masters, run_playbook
 from kimictl.errors import HostError, KimictlError
 from kimictl.facts import engine_profile
@@ -23,8 +23,8 @@ from kimictl.secret_file import proxy_api_key
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import cached_manifest_bytes, control_dir, save_preflight
 
-SUPERVISOR_SRC = Path(__file__).parent / "supervisor.py"
-PROXY_FRONT_SRC = Path(__file__).parent / "proxy_front.py"
+SUPERVISOR_SRC = remote.source("supervisor.py")
+PROXY_FRONT_SRC = remote.source("proxy_front.py")
 LIVE_STATES = ("starting", "running", "backoff")
 STOP_GRACE_S = 30
 ROLLBACK_READY_TIMEOUT_S = 300.0

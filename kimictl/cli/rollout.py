@@ -44,7 +44,7 @@ def rollout(
     output: OutputOpt = Output.text,
 ) -> None:
     """Roll a change out slice by slice: canary first, each slice drained, restarted, gated, re-added."""
-    from kimictl.rollout import Rollout, RolloutOptions, prepare_rollout
+    from kimictl.rollout.run import Rollout, RolloutOptions, prepare_rollout
 
     err = stderr_console()
     inv, record, old, new, topo, parsed = prepare_rollout(Path(inventory), topology, sets or [])

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from kimictl.weights.checkpoint import parse_size
+from kimictl.sandbox.checkpoint import parse_size
 
 log = logging.getLogger("kimictl.fakehub")
 
@@ -1068,7 +1068,7 @@ def _parse_repo(text: str) -> tuple[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kimictl.weights.fakehub", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kimictl.sandbox.fakehub", description=__doc__)
     ap.add_argument("--repo", action="append", type=_parse_repo, required=True, metavar="OWNER/NAME=DIR")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)

@@ -1,6 +1,6 @@
 """Stage the checkpoint on every host: sharded hub pull + peer all-gather, control push, shared verify.
 
-The control node computes and schedules; one agent per host (kimictl/weights/agent.py, over one SSH channel)
+The control node computes and schedules; one agent per host (kimictl/remote/weights_agent.py, over one SSH channel)
 moves and verifies bytes. The hosts pull disjoint shares from the hub, each taking the next file from one queue
 whenever its hub pull is free; every file a host has verified becomes a source for the others at once (rarest
 first, bounded streams per host, so a file fans out through a tree of hosts rather than from its first owner
@@ -29,9 +29,9 @@ from typing import Any
 
 from kimictl.errors import HostError, InvalidInput, KimictlError
 from kimictl.inventory import Inventory
+from kimictl.remote import weights_agent as agent_mod
 from kimictl.ssh import Session, Sessions, SSHError, Target, target_for
 from kimictl.state import control_dir, write_manifest
-from kimictl.weights import agent as agent_mod
 
 AGENT_SRC = Path(agent_mod.__file__)
 # The hub clients' own tqdm bars would tear through ours; tqdm reads this once, when it is imported.

@@ -207,7 +207,7 @@ def test_unsafe_listing_is_refused_before_any_byte_is_written(sb):
 
 
 def test_hub_token_never_shows(sb, tmp_path):
-    from kimictl.weights.fakehub import FakeHub
+    from kimictl.sandbox.fakehub import FakeHub
 
     token = "kimi-secret-7f3a9c1e5b"
     inv = yaml.safe_load(sb.inventory.read_text())

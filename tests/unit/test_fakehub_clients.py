@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kimictl.weights.checkpoint import checkpoint_manifest, generate_checkpoint
-from kimictl.weights.fakehub import FakeHub
+from kimictl.sandbox.checkpoint import checkpoint_manifest, generate_checkpoint
+from kimictl.sandbox.fakehub import FakeHub
 
 pytest.importorskip("modelscope")
 pytest.importorskip("huggingface_hub")

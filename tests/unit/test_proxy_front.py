@@ -1,4 +1,4 @@
-"""The proxy front (kimictl/proxy_front.py) in front of stand-in routers: API key, failover, rolling reloads
+"""The proxy front (kimictl/remote/proxy_front.py) in front of stand-in routers: API key, failover, rolling reloads
 without client errors, HTTP framing."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-FRONT = Path(__file__).parents[2] / "kimictl" / "proxy_front.py"
+FRONT = Path(__file__).parents[2] / "kimictl" / "remote" / "proxy_front.py"
 FAKE_ROUTER = Path(__file__).parent / "data" / "fake_router.py"
 KEY = "k-7f3a9c1e"
 

@@ -13,13 +13,14 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from kimictl import deploy, rollout
+from kimictl import deploy
 from kimictl.cli.main import app
 from kimictl.errors import EXIT_INVALID, InvalidInput, InventoryError, TopologyError
 from kimictl.inventory import load_inventory
 from kimictl.plan import make_plan
 from kimictl.render import render
-from kimictl.rollout import (
+from kimictl.rollout import run as rollout
+from kimictl.rollout.run import (
     Batch,
     Endpoint,
     RouterAdmin,
