@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kimictl import remote
 from kimictl.ansible import close_control_masters
 from kimictl.deploy import LIVE_STATES, DeployOptions, EngineOps, Proc, compute_changes, observe, process_tag
 from kimictl.errors import HostError
@@ -84,30 +85,12 @@ def stop(inv: Inventory, *, say: Callable[[str], None], on_event: Callable[[str,
 
 # --- start -----------------------------------------------------------------------------------------------
 
-# One round trip per host: the current release's manifest and the files whose hashes make the tags.
-_READ_CURRENT = r"""
-import json, os, sys
-sd = sys.argv[1]; cur = os.path.join(sd, "current")
-if not os.path.islink(cur):
-    print("null"); sys.exit(0)
-rel = os.path.realpath(cur); files = {}
-for sub in ("engines", "proxy"):
-    d = os.path.join(rel, sub)
-    for n in (sorted(os.listdir(d)) if os.path.isdir(d) else []):
-        with open(os.path.join(d, n), encoding="utf-8") as f:
-            files[sub + "/" + n] = f.read()
-with open(os.path.join(rel, "manifest.json"), encoding="utf-8") as f:
-    man = json.load(f)
-print(json.dumps({"release": os.path.basename(rel), "manifest": man, "files": files}))
-"""
-
-
 def read_current(inv: Inventory, timeout: float = 30.0, accept_new_keys: bool = False) -> dict[str, Any]:
     """Per host: {release, manifest, files} of `current`, or None when the host has no current release."""
 
     def one(name: str, s) -> Any:
         res = s.run(f"python3 - {shlex.quote(inv.host(name).kimi_state_dir)}", timeout=timeout,
-                    stdin=_READ_CURRENT)
+                    stdin=remote.script("read_current.py"))
         if res.rc != 0:
             raise SSHError(f"{name}: cannot read the current release: {res.stderr.strip()[-300:]}")
         return json.loads(res.stdout)
