@@ -15,11 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kimictl import remote
+from kimictl import remote, state
 from kimictl.errors import InvalidInput
 from kimictl.inventory import Inventory
 from kimictl.ssh import Sessions, SSHError
-from kimictl.state import control_dir
 
 ROLES = ("prefill", "decode", "colocated", "proxy")
 MASK = "[REDACTED]"
@@ -292,22 +291,6 @@ def collect_host_files(inv: Inventory, max_file_bytes: int, timeout: float = 300
         return sessions.each(one)
 
 
-def control_files(cluster: str) -> dict[str, str]:
-    """Releases, the last preflight report, the weights manifest and the newest run's plan.json."""
-    base = control_dir(cluster)
-    out: dict[str, str] = {}
-    for name in ("releases.jsonl", "current.json", "preflight.json", "weights-manifest.json"):
-        p = base / name
-        if p.is_file():
-            out[name] = p.read_text(errors="replace")
-    runs = sorted((d for d in (base / "runs").glob("*") if (d / "plan.json").is_file()),
-                  key=lambda d: d.name) if (base / "runs").is_dir() else []
-    if runs:
-        out["plan.json"] = (runs[-1] / "plan.json").read_text(errors="replace")
-        out["plan-run.txt"] = f"{runs[-1]}\n"
-    return out
-
-
 @dataclass
 class BundleResult:
     path: str
@@ -374,7 +357,7 @@ def build_bundle(inv: Inventory, dest: Path, redactor: Redactor, *,
         for rel, text in res["files"].items():
             add(f"{cluster}/{h.name}/{rel}", text)
         add(f"{cluster}/{h.name}/host.json", json.dumps(res["meta"], indent=1) + "\n")
-    for rel, text in control_files(cluster).items():
+    for rel, text in state.bundle_files(cluster).items():
         add(f"{cluster}/{CONTROL_DIR_NAME}/{rel}", text)
     index = {"schema_version": 1, "cluster": cluster, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
              "hosts": hosts, "redactions": redactor.total, "redactions_by_kind": redactor.counts,

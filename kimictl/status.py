@@ -11,7 +11,7 @@ from kimictl import ascend, health
 from kimictl.inventory import Inventory
 from kimictl.secret_file import proxy_api_key
 from kimictl.ssh import Sessions, SSHError
-from kimictl.state import control_dir
+from kimictl.state import current as recorded_release
 
 STATUS_SCHEMA_VERSION = 1
 _SUPERVISOR_TO_STATE = {"starting": "starting", "backoff": "failed", "failed": "failed", "stopping": "stopped",
@@ -53,8 +53,7 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
     """The CONTRACT `status --output json` document (schema_version 1)."""
     probes = _probe(inv, timeout)
     api_key = proxy_api_key(inv)
-    record_path = control_dir(inv.cluster.name) / "current.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else None
+    record = recorded_release(inv.cluster.name)
     engines: list[dict[str, Any]] = []
     proxy: dict[str, Any] | None = None
     drift: list[dict[str, Any]] = []
@@ -66,8 +65,8 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
                             "detail": str(got)})
             continue
         man = got["manifest"]
-        if record and man and record["hosts"].get(h.name) != man.get("release"):
-            drift.append({"host": h.name, "recorded": record["hosts"].get(h.name), "current": man.get("release")})
+        if record and man and record.hosts.get(h.name) != man.get("release"):
+            drift.append({"host": h.name, "recorded": record.hosts.get(h.name), "current": man.get("release")})
         if not man:
             continue
         served = served or man.get("served_model_name")
@@ -127,7 +126,7 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
         proxy.pop("serves_http", None)
     return {"schema_version": STATUS_SCHEMA_VERSION, "cluster": inv.cluster.name, "state": state,
             "served_model_name": served,
-            "release": record["release"] if record else None, "engines": engines, "proxy": proxy,
+            "release": record.release if record else None, "engines": engines, "proxy": proxy,
             "pairs": pairs, "drift": drift, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

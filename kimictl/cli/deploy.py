@@ -38,7 +38,7 @@ def deploy(
     output: OutputOpt = Output.text,
 ) -> None:
     """Converge the hosts to the plan and start prefill/decode engines and the P/D proxy."""
-    from kimictl.deploy import Deployer, DeployOptions, change_diffs
+    from kimictl.deploy import Deployer, DeployOptions, change_diffs, smoke_text
     from kimictl.pipeline import prepare
     from kimictl.render import render
     from kimictl.weights.stage import read_token
@@ -80,7 +80,7 @@ def deploy(
     elif result.result == "no-changes":
         typer.echo(f"no changes: release {result.release} is running on every host")
     else:
-        typer.echo(f"deployed release {result.release}: {len(todo)} change(s); smoke {result.smoke}")
+        typer.echo(f"deployed release {result.release}: {len(todo)} change(s); smoke: {smoke_text(result.smoke)}")
         typer.echo(f"run directory: {result.run_dir}")
 
 
@@ -101,7 +101,7 @@ def rollback(
     inv = load_inventory(inventory)
     target, rendered = rollback_target(inv.cluster.name, to)
     if not yes and sys.stdin.isatty() and sys.stderr.isatty():
-        typer.confirm(f"Roll {inv.cluster.name} back to release {target['release']} ({target['at']})?",
+        typer.confirm(f"Roll {inv.cluster.name} back to release {target.release} ({target.at})?",
                       abort=True, err=True)
     result = Deployer(inv, rendered.plan, rendered, DeployOptions(skip_preflight=skip_preflight),
                       lambda m: err.print(f"[cyan]rollback[/] {m}", highlight=False)).run()

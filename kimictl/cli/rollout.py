@@ -63,7 +63,7 @@ def rollout(
     ro = Rollout(inv, record, old, new, topo, parsed, opts, say, on_event)
     if not check and not yes and sys.stdin.isatty() and sys.stderr.isatty():
         typer.confirm(f"Roll {', '.join(parsed_raw(parsed)) or topo.name} out to {inv.cluster.name} "
-                      f"(release {record.get('release')} -> {ro.release})?", abort=True, err=True)
+                      f"(release {record.release} -> {ro.release})?", abort=True, err=True)
     result = ro.run()
     if output == Output.json:
         emit_json(result.to_json())
