@@ -51,9 +51,9 @@ def _engine_metrics(ip: str, port: int) -> dict[str, Any]:
 
 def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool = True) -> dict[str, Any]:
     """The CONTRACT `status --output json` document (schema_version 1)."""
+    record = recorded_release(inv.cluster.name)  # a damaged record: exit 2 before any host is contacted
     probes = _probe(inv, timeout)
     api_key = proxy_api_key(inv)
-    record = recorded_release(inv.cluster.name)
     engines: list[dict[str, Any]] = []
     proxy: dict[str, Any] | None = None
     drift: list[dict[str, Any]] = []
