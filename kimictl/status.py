@@ -172,4 +172,4 @@ def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: st
     ok = code == 200 and moved_p > 0 and moved_d > 0
     return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "ok" if ok else "failed",
             "detail": f"HTTP {code}; prefill prompt tokens +{moved_p:.0f}, decode external prefix cache +{moved_d:.0f}"
-            + ("" if code == 200 else f": {str(body)[:200]}")}
+            + ("" if code == 200 else f": {health.body_text(body)}")}

@@ -2,36 +2,28 @@
 
 from __future__ import annotations
 
-import sys
-from typing import Annotated
-
 import typer
 
-from kimictl.cli.common import InventoryOpt, Output, OutputOpt, emit_json, handle_errors, stderr_console
-
-LimitOpt = Annotated[list[str] | None, typer.Option("--limit", help="Only these hosts (repeatable).")]
-HostKeysOpt = Annotated[bool, typer.Option("--accept-new-host-keys")]
-
-
-def _reporters(verb: str):
-    err = stderr_console()
-
-    def say(msg: str) -> None:
-        err.print(f"[cyan]{verb}[/] {msg}", highlight=False)
-
-    def on_event(host: str, task: str, status: str) -> None:
-        if status in ("changed", "failed", "unreachable"):
-            style = {"changed": "yellow", "failed": "bold red", "unreachable": "bold red"}[status]
-            err.print(f"  [{style}]{status:>11}[/] {host}: {task}", highlight=False)
-
-    return say, on_event
+from kimictl.cli.common import (
+    HostKeysOpt,
+    InventoryOpt,
+    LimitOpt,
+    Output,
+    OutputOpt,
+    ReadyTimeoutOpt,
+    YesOpt,
+    confirm_or_yes,
+    emit_json,
+    handle_errors,
+    reporters,
+)
 
 
 @handle_errors
 def stop(
     inventory: InventoryOpt,
     limit: LimitOpt = None,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    yes: YesOpt = False,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -40,10 +32,8 @@ def stop(
     from kimictl.inventory import load_inventory
 
     inv = load_inventory(inventory).limited(limit)
-    if not yes and sys.stdin.isatty() and sys.stderr.isatty():
-        typer.confirm(f"Stop every engine and the proxy on {len(inv.hosts)} host(s) of {inv.cluster.name}?",
-                      abort=True, err=True)
-    say, on_event = _reporters("stop")
+    confirm_or_yes(f"Stop every engine and the proxy on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
+    say, on_event = reporters("stop")
     res = lifecycle.stop(inv, say=say, on_event=on_event, accept_new_host_keys=accept_new_host_keys)
     if output == Output.json:
         emit_json(res.to_json())
@@ -58,8 +48,8 @@ def stop(
 def start(
     inventory: InventoryOpt,
     limit: LimitOpt = None,
-    ready_timeout: Annotated[float | None, typer.Option("--ready-timeout",
-                                                        help="Seconds to wait for engines to load.")] = None,
+    yes: YesOpt = False,
+    ready_timeout: ReadyTimeoutOpt = None,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -68,7 +58,8 @@ def start(
     from kimictl.inventory import load_inventory
 
     inv = load_inventory(inventory).limited(limit)
-    say, on_event = _reporters("start")
+    confirm_or_yes(f"Start the current release on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
+    say, on_event = reporters("start")
     res = lifecycle.start(inv, say=say, on_event=on_event, ready_timeout=ready_timeout,
                           accept_new_host_keys=accept_new_host_keys)
     if output == Output.json:

@@ -153,12 +153,12 @@ def pair_probe(p: Endpoint, d: Endpoint, served: str, timeout: float = 60.0, htt
     result: dict[str, Any] = {"prefill": p.engine, "decode": d.engine, "ok": False}
     kv = body.get("kv_transfer_params") if isinstance(body, dict) else None
     if code != 200 or not isinstance(kv, dict):
-        result["detail"] = f"prefill {p.engine} at {p.url}: HTTP {code}: {str(body)[:200]}"
+        result["detail"] = f"prefill {p.engine} at {p.url}: HTTP {code}: {health.body_text(body)}"
         return result
     code, body = _completion(http, f"{d.url}/v1/completions", {"model": served, "prompt": prompt, "max_tokens": 4,
                                                                "kv_transfer_params": kv}, rid, timeout)
     if code != 200 or not isinstance(body, dict) or not body.get("choices"):
-        result["detail"] = f"decode {d.engine} at {d.url} (KV from {p.engine}): HTTP {code}: {str(body)[:200]}"
+        result["detail"] = f"decode {d.engine} at {d.url} (KV from {p.engine}): HTTP {code}: {health.body_text(body)}"
         return result
     moved_p = http.metric_totals(p.ip, p.port).get(health.PREFILL_COUNTER, 0.0) - before_p
     moved_d = http.metric_totals(d.ip, d.port).get(health.DECODE_COUNTER, 0.0) - before_d

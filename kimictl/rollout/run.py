@@ -436,7 +436,7 @@ class Rollout:
             sent += 1
             if code != 200:
                 raise HostError(f"a request through the proxy failed after re-adding "
-                                f"{', '.join(s.name for s in slices)}: HTTP {code}: {str(body)[:200]}",
+                                f"{', '.join(s.name for s in slices)}: HTTP {code}: {health.body_text(body)}",
                                 host=self.new.proxy.host_name, step="proxy smoke",
                                 log_tail=self.ops.log_tail(self.new.proxy.host_name, "proxy"))
             waiting = {e for e in waiting if total(next(x for x in eps if x.engine == e)) <= before[e]}
@@ -551,7 +551,7 @@ class Rollout:
         p, d = moved("prefill", health.PREFILL_COUNTER), moved("decode", health.DECODE_COUNTER)
         if code != 200 or p <= 0 or d <= 0:
             raise HostError(f"final smoke through the proxy failed: HTTP {code}, prefill +{p:.0f}, decode +{d:.0f}: "
-                            f"{str(body)[:200]}", host=self.new.proxy.host_name, step="smoke")
+                            f"{health.body_text(body)}", host=self.new.proxy.host_name, step="smoke")
         return {"prefill_prompt_tokens": p, "decode_external_prefix_cache_queries": d}
 
     # --- the release record ----------------------------------------------------------------------------
