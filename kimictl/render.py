@@ -24,7 +24,8 @@ PROXY_FRONT = "bin/proxy_front.py"
 PROXY_FRONT_STATE = "run/proxy-front/state.json"
 PROXY_API_KEY = "secrets/proxy-api-key"
 ASCEND_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
-# Host paths the vllm-ascend docs bind into every container (vllm-ascend.md §2), read-only.
+# Host paths the vllm-ascend docs bind into every container, read-only:
+# https://github.com/vllm-project/vllm-ascend/blob/releases/v0.23.0/docs/source/installation.md
 ASCEND_MOUNTS = (
     "/usr/local/dcmi",
     "/usr/local/Ascend/driver/tools/hccn_tool",
@@ -58,7 +59,7 @@ class RenderedProxy(BaseModel):
 
 
 class Rendered(BaseModel):
-    """Everything `render` produces: the CONTRACT document plus the files per host."""
+    """Everything `render` produces: the contract document (docs/contract.md) plus the files per host."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -69,7 +70,7 @@ class Rendered(BaseModel):
     releases: dict[str, str]  # host -> release id (hash of that host's files)
 
     def contract(self) -> dict[str, Any]:
-        """`render --output json` (schema_version 1, see CONTRACT.md)."""
+        """`render --output json` (schema_version 1, see docs/contract.md)."""
         p = self.plan
         return {
             "schema_version": RENDER_SCHEMA_VERSION,
@@ -337,7 +338,7 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
 
 
 def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:
-    """Write each host's files under out_dir/<host>/ and the CONTRACT document as out_dir/render.json."""
+    """Write each host's files under out_dir/<host>/ and the contract document as out_dir/render.json."""
     written: list[Path] = []
     for host, files in rendered.files.items():
         for rel, content in files.items():

@@ -50,7 +50,7 @@ def _engine_metrics(ip: str, port: int) -> dict[str, Any]:
 
 
 def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool = True) -> dict[str, Any]:
-    """The CONTRACT `status --output json` document (schema_version 1)."""
+    """The `status --output json` document of docs/contract.md (schema_version 1)."""
     record = recorded_release(inv.cluster.name)  # a damaged record: exit 2 before any host is contacted
     probes = _probe(inv, timeout)
     api_key = proxy_api_key(inv)

@@ -28,7 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-# The versions this simulator impersonates (vllm-ascend.md §1: v0.23.0.post1 pairs with vLLM v0.23.0).
+# The versions this simulator impersonates (v0.23.0.post1 pairs with vLLM v0.23.0:
+# https://github.com/vllm-project/vllm-ascend/blob/releases/v0.23.0/docs/source/community/versioning_policy.md).
 VLLM_VERSION = "0.23.0"
 VLLM_ASCEND_VERSION = "0.23.0.post1"
 OWNED_BY = "kimictl-engine-sim"
@@ -195,7 +196,8 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------------------------------
-# Configuration rules vLLM / vLLM-Ascend enforce at startup (vllm-ascend.md §3.6, §3.7).
+# Configuration rules vLLM / vLLM-Ascend enforce at startup (vllm_ascend/ascend_config.py and the Mooncake
+# connector's checks: https://github.com/vllm-project/vllm-ascend/blob/releases/v0.23.0).
 # --------------------------------------------------------------------------------------------------
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -1226,7 +1228,8 @@ class Simulator:
         with core.cond:
             core.kv_store[req.request_id] = KvEntry(req.request_id, req.prompt_ids, blocks, time.monotonic())
             self._update_gauges(core)
-        # Field set of vllm-ascend MooncakeConnector.request_finished (vllm-ascend.md §5.1 step 4).
+        # Field set of vllm-ascend MooncakeConnector.request_finished (vllm_ascend/distributed/kv_transfer/kv_p2p/
+        # mooncake_connector.py, releases/v0.23.0).
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -2083,7 +2086,7 @@ def run(argv: list[str], env: dict[str, str]) -> int:
 def _start_side_channel(
     sim: Simulator, core: EngineCore, cfg: EngineConfig, servers: list[_Server]
 ) -> list[socket.socket]:
-    """Bind the KV side channel: one port per TP worker from kv_port + dp_rank * tp * pp (§3.6)."""
+    """Bind the KV side channel: one port per TP worker from kv_port + dp_rank * tp * pp (Mooncake connector)."""
     # Like the connector's ZMQ ROUTER: bound on the advertised IP (get_ip()), not on --host.
     bind_host = sim.advertised_host
     base = int(cfg.kv_port or 0) + core.rank * cfg.tp * cfg.pp
