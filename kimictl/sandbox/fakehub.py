@@ -293,6 +293,21 @@ class Repo:
         return h.hexdigest()
 
 
+def _listed(files: list[FileInfo], faults: Faults, root: str):
+    """The files a listing under `root` shows (plus the malicious names when that fault is on), each with its path
+    segments below `root`."""
+    if faults.malicious_names:
+        files = files + _malicious_files()
+    for f in files:
+        if not root or f.path.startswith(root + "/"):
+            yield f, (f.path[len(root) + 1 :] if root else f.path).split("/")
+
+
+def _listed_sha(f: FileInfo, faults: Faults) -> str:
+    """The sha256 a listing states for a file (a wrong one under the wrong-sha fault)."""
+    return hashlib.sha256(b"wrong:" + f.sha256.encode()).hexdigest() if _matches(f.path, faults.wrong_sha) else f.sha256
+
+
 def _malicious_files() -> list[FileInfo]:
     sha = hashlib.sha256(_MALICIOUS_PAYLOAD).hexdigest()
     return [
@@ -569,27 +584,19 @@ class _Handler(BaseHTTPRequestHandler):
         faults = self.server.hub.faults
         root = (query.get("Root") or [""])[0].strip("/")
         recursive = (query.get("Recursive") or ["false"])[0].lower() == "true"
-        if faults.malicious_names:
-            files = files + _malicious_files()
         entries: list[dict[str, Any]] = []
         dirs: set[str] = set()
-        for f in files:
-            if root and not f.path.startswith(root + "/"):
+        for f, segs in _listed(files, faults, root):
+            if not recursive and len(segs) > 1:
+                dirs.add(f"{root}/{segs[0]}" if root else segs[0])
                 continue
-            rel = f.path[len(root) + 1 :] if root else f.path
-            if not recursive and "/" in rel:
-                dirs.add(f"{root}/{rel.split('/')[0]}" if root else rel.split("/")[0])
-                continue
-            sha = f.sha256
-            if _matches(f.path, faults.wrong_sha):
-                sha = hashlib.sha256(b"wrong:" + f.sha256.encode()).hexdigest()
             entries.append(
                 {
                     "Name": f.path.rsplit("/", 1)[-1],
                     "Path": f.path,
                     "Type": "blob",
                     "Size": f.size,
-                    "Sha256": sha,
+                    "Sha256": _listed_sha(f, faults),
                     "Revision": commit,
                     "IsLFS": f.lfs,
                     "Mode": "33188",
@@ -695,26 +702,17 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.server.hub
         faults = hub.faults
         recursive = (query.get("recursive") or ["false"])[0].lower() in ("true", "1")
-        if faults.malicious_names:
-            files = files + _malicious_files()
         entries: list[dict[str, Any]] = []
         dirs: set[str] = set()
-        for f in files:
-            if prefix and not f.path.startswith(prefix + "/"):
-                continue
-            rel = f.path[len(prefix) + 1 :] if prefix else f.path
+        for f, segs in _listed(files, faults, prefix):
             # HF lists every ancestor directory in recursive mode and only direct children otherwise.
-            segs = rel.split("/")
             for i in range(1, len(segs) if recursive else min(2, len(segs))):
                 dirs.add("/".join(([prefix] if prefix else []) + segs[:i]))
             if not recursive and len(segs) > 1:
                 continue
             entry: dict[str, Any] = {"type": "file", "oid": f.oid, "size": f.size, "path": f.path}
             if f.lfs:
-                sha = f.sha256
-                if _matches(f.path, faults.wrong_sha):
-                    sha = hashlib.sha256(b"wrong:" + f.sha256.encode()).hexdigest()
-                entry["lfs"] = {"oid": sha, "size": f.size, "pointerSize": len(f.pointer)}
+                entry["lfs"] = {"oid": _listed_sha(f, faults), "size": f.size, "pointerSize": len(f.pointer)}
             entries.append(entry)
         entries += [
             {
