@@ -1631,6 +1631,11 @@ class ApiHandler(BaseHTTPRequestHandler):
             self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             self.wfile.flush()
 
+        def event(choices: list[dict[str, Any]], **more: Any) -> None:
+            """One server-sent event: the stream's envelope around these choices."""
+            write(_sse({"id": response_id, "object": obj, "created": created, "model": model, "choices": choices,
+                        **more}))
+
         def start() -> None:
             nonlocal started
             if started:
@@ -1641,65 +1646,28 @@ class ApiHandler(BaseHTTPRequestHandler):
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             if chat:
-                write(
-                    _sse(
-                        {
-                            "id": response_id,
-                            "object": obj,
-                            "created": created,
-                            "model": model,
-                            "choices": [
-                                {
-                                    "index": 0,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
-                )
+                event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}])
 
-        def chunk(piece: str, finish: str | None) -> dict[str, Any]:
+        def chunk(piece: str, finish: str | None) -> None:
             if chat:
                 delta = {"content": piece} if piece else {}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
             else:
-                choice = {
-                    "index": 0,
-                    "text": piece,
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                }
-            return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
+                event([{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish, "stop_reason": None}])
 
         def emit(piece: str) -> None:
             start()
-            write(_sse(chunk(piece, None)))
+            chunk(piece, None)
 
         # Errors before the first token (e.g. a failed KV pull) are still plain HTTP errors, as in vLLM.
         result = self.sim.generate(core, req, emit)
         start()
-        write(_sse(chunk("", result.finish_reason)))
+        chunk("", result.finish_reason)
         if options.get("include_usage"):
             n = len(result.pieces)
-            write(
-                _sse(
-                    {
-                        "id": response_id,
-                        "object": obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": {
-                            "prompt_tokens": len(req.prompt_ids),
-                            "total_tokens": len(req.prompt_ids) + n,
-                            "completion_tokens": n,
-                        },
-                    }
-                )
-            )
+            event([], usage={"prompt_tokens": len(req.prompt_ids), "total_tokens": len(req.prompt_ids) + n,
+                             "completion_tokens": n})
         write(_sse("[DONE]"))
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()

@@ -506,6 +506,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- ModelScope -----------------------------------------------------------------------------------
 
+    def _ms_ok(self, data: Any, request_id: bool = False) -> None:
+        """ModelScope's success envelope around `data`."""
+        doc: dict[str, Any] = {"Code": 200, "Success": True, "Message": "success"}
+        if request_id:
+            doc["RequestId"] = uuid.uuid4().hex
+        self._json(200, {**doc, "Data": data})
+
     def _ms_error(self, status: int, message: str) -> None:
         self._json(
             status,
@@ -545,38 +552,12 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             self._serve_file(repo, info, {"X-Linked-ETag": info.sha256})
         elif rest == ["revisions"]:
-            self._json(
-                200,
-                {
-                    "Code": 200,
-                    "Success": True,
-                    "Message": "success",
-                    "Data": {
-                        "RevisionMap": {
-                            "Branches": [{"Revision": "master", "CreatedAt": 0, "CommitId": commit}],
-                            "Tags": [],
-                        }
-                    },
-                },
-            )
+            self._ms_ok({"RevisionMap": {"Branches": [{"Revision": "master", "CreatedAt": 0, "CommitId": commit}],
+                                         "Tags": []}})
         elif not rest:
             owner, name = repo.repo_id.split("/", 1)
-            self._json(
-                200,
-                {
-                    "Code": 200,
-                    "Success": True,
-                    "Message": "success",
-                    "Data": {
-                        "Id": 0,
-                        "Name": name,
-                        "Path": owner,
-                        "ChineseName": name,
-                        "Revision": "master",
-                        "LatestCommitId": commit,
-                    },
-                },
-            )
+            self._ms_ok({"Id": 0, "Name": name, "Path": owner, "ChineseName": name, "Revision": "master",
+                         "LatestCommitId": commit})
         else:
             self._ms_error(404, f"not found: {path}")
 
@@ -619,16 +600,7 @@ class _Handler(BaseHTTPRequestHandler):
                     "Mode": "040000",
                 }
             )
-        self._json(
-            200,
-            {
-                "Code": 200,
-                "Success": True,
-                "Message": "success",
-                "RequestId": uuid.uuid4().hex,
-                "Data": {"Files": entries, "LatestCommitter": {"Name": "fakehub"}},
-            },
-        )
+        self._ms_ok({"Files": entries, "LatestCommitter": {"Name": "fakehub"}}, request_id=True)
 
     # -- Hugging Face ---------------------------------------------------------------------------------
 
