@@ -402,9 +402,7 @@ class Rollout:
 
     def _restart_proxy(self, proc: Proc, why: str) -> None:
         t0 = time.monotonic()
-        self.ops.apply_actions({proc.host: ["proxy"]},
-                           {proc.host: [proc.start_action()]},
-                           f"proxy restart ({why})")
+        self.ops.apply_actions({proc.host: ["proxy"]}, {proc.host: [proc.start_action()]}, f"proxy restart ({why})")
         self.ops.wait_ready([proc])
         self.proxy_proc = proc
         self.proxy_restarts.append({"why": why, "seconds": round(time.monotonic() - t0, 2), "kind": "proxy"})
@@ -432,7 +430,7 @@ class Rollout:
             # A fresh prefix per request, so cache- or prefix-aware policies spread them like round robin does.
             prompt = f"rollout probe {uuid.uuid4().hex}: {health.smoke_prompt(64)}"
             code, body = self.http.http_post_json(url, {"model": self.served_model_name, "prompt": prompt,
-                                                     "max_tokens": 2}, timeout=60, api_key=self.api_key)
+                                                        "max_tokens": 2}, timeout=60, api_key=self.api_key)
             sent += 1
             if code != 200:
                 raise HostError(f"a request through the proxy failed after re-adding "
@@ -541,8 +539,8 @@ class Rollout:
         eps = [ep for s in self.slices.values() for ep in s.endpoints]
         before = {ep.engine: self.http.metric_totals(ep.ip, ep.port) for ep in eps}
         code, body = self.http.http_post_json(f"http://{self.new.proxy.host}:{self.new.proxy.port}/v1/completions",
-                                           {"model": self.served_model_name, "prompt": health.smoke_prompt(),
-                                            "max_tokens": 8}, timeout=60, api_key=self.api_key)
+                                              {"model": self.served_model_name, "prompt": health.smoke_prompt(),
+                                               "max_tokens": 8}, timeout=60, api_key=self.api_key)
         after = {ep.engine: self.http.metric_totals(ep.ip, ep.port) for ep in eps}
 
         def moved(role: str, metric: str) -> float:
