@@ -6,6 +6,7 @@ from typing import Annotated
 
 import typer
 
+from kimictl.cli import common
 from kimictl.cli.common import (
     HostKeysOpt,
     InventoryOpt,
@@ -17,15 +18,10 @@ from kimictl.cli.common import (
     TokenFileOpt,
     TopologyOpt,
     YesOpt,
-    confirm_or_yes,
-    emit_json,
-    handle_errors,
-    reporters,
-    stderr_console,
 )
 
 
-@handle_errors
+@common.handle_errors
 def deploy(
     inventory: InventoryOpt,
     topology: TopologyOpt,
@@ -46,7 +42,7 @@ def deploy(
     from kimictl.render import render
     from kimictl.weights.stage import read_token
 
-    err = stderr_console()
+    err = common.stderr_console()
     p = prepare(inventory, topology)
     p.inventory.limited(limit)  # unknown --limit hosts: exit 2 before anything runs
     rendered = render(p.plan, p.inventory, p.topology)
@@ -54,14 +50,14 @@ def deploy(
         err.print(f"[yellow]preflight skipped: {skip_preflight}[/]")
     token = None if skip_weights else read_token(p.inventory.cluster.kimi_model_source, token_file)
     if not check:
-        confirm_or_yes(f"Deploy {p.plan.topology} to {len(p.inventory.hosts)} host(s) of {p.plan.cluster}?", yes)
-    say, on_event = reporters("deploy")
+        common.confirm_or_yes(f"Deploy {p.plan.topology} to {len(p.inventory.hosts)} host(s) of {p.plan.cluster}?", yes)
+    say, on_event = common.reporters("deploy")
     opts = DeployOptions(check=check, skip_preflight=skip_preflight, limit=limit, ready_timeout=ready_timeout,
                          accept_new_host_keys=accept_new_host_keys, skip_weights=skip_weights, hub_token=token)
     result = Deployer(p.inventory, p.plan, rendered, opts, say, on_event).run()
     diffs = change_diffs(p.inventory, rendered, result.changes) if check and diff else {}
     if output == Output.json:
-        emit_json({**result.to_json(), "diffs": diffs})
+        common.emit_json({**result.to_json(), "diffs": diffs})
         return
     todo = [c for c in result.changes if c.action != "keep"]
     if result.result == "check":
@@ -77,7 +73,7 @@ def deploy(
         typer.echo(f"run directory: {result.run_dir}")
 
 
-@handle_errors
+@common.handle_errors
 def rollback(
     inventory: InventoryOpt,
     to: Annotated[str | None, typer.Option("--to", help="Release id (prefix) to return to; default the "
@@ -95,13 +91,13 @@ def rollback(
     inv = load_inventory(inventory)
     target, rendered = rollback_target(inv.cluster.name, to)
     if skip_preflight is not None:
-        stderr_console().print(f"[yellow]preflight skipped: {skip_preflight}[/]")
-    confirm_or_yes(f"Roll {inv.cluster.name} back to release {target.release} ({target.at})?", yes)
-    say, on_event = reporters("rollback")
+        common.stderr_console().print(f"[yellow]preflight skipped: {skip_preflight}[/]")
+    common.confirm_or_yes(f"Roll {inv.cluster.name} back to release {target.release} ({target.at})?", yes)
+    say, on_event = common.reporters("rollback")
     opts = DeployOptions(skip_preflight=skip_preflight, ready_timeout=ready_timeout,
                          accept_new_host_keys=accept_new_host_keys)
     result = Deployer(inv, rendered.plan, rendered, opts, say, on_event).run()
     if output == Output.json:
-        emit_json(result.to_json())
+        common.emit_json(result.to_json())
     else:
         typer.echo(f"rolled back to release {result.release} ({result.result})")

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from kimictl.cli.common import (
-    HostKeysOpt,
-    InventoryOpt,
-    LimitOpt,
-    Output,
-    OutputOpt,
-    ReadyTimeoutOpt,
-    YesOpt,
-    confirm_or_yes,
-    emit_json,
-    handle_errors,
-    reporters,
-)
+from kimictl.cli import common
+from kimictl.cli.common import HostKeysOpt, InventoryOpt, LimitOpt, Output, OutputOpt, ReadyTimeoutOpt, YesOpt
 
 
-@handle_errors
+@common.handle_errors
 def stop(
     inventory: InventoryOpt,
     limit: LimitOpt = None,
@@ -32,11 +21,11 @@ def stop(
     from kimictl.inventory import load_inventory
 
     inv = load_inventory(inventory).limited(limit)
-    confirm_or_yes(f"Stop every engine and the proxy on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
-    say, on_event = reporters("stop")
+    common.confirm_or_yes(f"Stop every engine and the proxy on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
+    say, on_event = common.reporters("stop")
     res = lifecycle.stop(inv, say=say, on_event=on_event, accept_new_host_keys=accept_new_host_keys)
     if output == Output.json:
-        emit_json(res.to_json())
+        common.emit_json(res.to_json())
         return
     n = sum(len(h["stopped"]) for h in res.hosts.values())
     typer.echo(f"stopped {n} process(es)" if n else "already stopped: nothing runs")
@@ -44,7 +33,7 @@ def stop(
         typer.echo(f"  {h}: stopped {', '.join(info['stopped']) or '-'}; current {info['current'] or '-'} kept")
 
 
-@handle_errors
+@common.handle_errors
 def start(
     inventory: InventoryOpt,
     limit: LimitOpt = None,
@@ -58,12 +47,12 @@ def start(
     from kimictl.inventory import load_inventory
 
     inv = load_inventory(inventory).limited(limit)
-    confirm_or_yes(f"Start the current release on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
-    say, on_event = reporters("start")
+    common.confirm_or_yes(f"Start the current release on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
+    say, on_event = common.reporters("start")
     res = lifecycle.start(inv, say=say, on_event=on_event, ready_timeout=ready_timeout,
                           accept_new_host_keys=accept_new_host_keys)
     if output == Output.json:
-        emit_json(res.to_json())
+        common.emit_json(res.to_json())
         return
     n = sum(len(h["started"]) for h in res.hosts.values())
     typer.echo(f"started {n} process(es); all answer" if n else "already running: every process answers")

@@ -7,21 +7,11 @@ from typing import Annotated
 
 import typer
 
-from kimictl.cli.common import (
-    HostKeysOpt,
-    InventoryOpt,
-    Output,
-    OutputOpt,
-    ReadyTimeoutOpt,
-    YesOpt,
-    confirm_or_yes,
-    emit_json,
-    handle_errors,
-    reporters,
-)
+from kimictl.cli import common
+from kimictl.cli.common import HostKeysOpt, InventoryOpt, Output, OutputOpt, ReadyTimeoutOpt, YesOpt
 
 
-@handle_errors
+@common.handle_errors
 def rollout(
     inventory: InventoryOpt,
     topology: Annotated[str | None, typer.Option(
@@ -61,14 +51,14 @@ def rollout(
                           allow_proxy_restart=allow_proxy_restart, routers=router or [],
                           accept_new_host_keys=accept_new_host_keys)
 
-    say, on_event = reporters("rollout", events=("failed", "unreachable"))
+    say, on_event = common.reporters("rollout", events=("failed", "unreachable"))
     ro = Rollout(inv, record, old, new, topo, parsed, opts, say, on_event)
     if not check:
-        confirm_or_yes(f"Roll {', '.join(s.raw for s in parsed) or topo.name} out to {inv.cluster.name} "
+        common.confirm_or_yes(f"Roll {', '.join(s.raw for s in parsed) or topo.name} out to {inv.cluster.name} "
                        f"(release {record.release} -> {ro.release})?", yes)
     result = ro.run()
     if output == Output.json:
-        emit_json(result.to_json())
+        common.emit_json(result.to_json())
         return
     if result.result == "no-changes":
         typer.echo(f"no changes: release {result.previous_release} already runs on every slice")

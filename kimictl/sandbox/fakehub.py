@@ -605,23 +605,18 @@ class _Handler(BaseHTTPRequestHandler):
     # -- Hugging Face ---------------------------------------------------------------------------------
 
     def _hf_api(self, raw_path: str, query: dict[str, list[str]]) -> None:
-        hub = self.server.hub
         # /api/models/{owner}/{name}[/revision/{rev} | /tree/{rev}[/{path}]]
         parts = raw_path.split("/")
         if len(parts) < 5:
             self._hf_404("RepoNotFound", "Repository not found")
             return
-        repo = hub._repo(f"{unquote(parts[3])}/{unquote(parts[4])}")
-        if repo is None:
-            self._hf_404("RepoNotFound", "Repository not found")
+        found = self._hf_repo(f"{unquote(parts[3])}/{unquote(parts[4])}")
+        if found is None:
             return
-        files = repo.files()
-        commit = repo.commit(files)
+        repo, files, commit = found
         rest = parts[5:]
         if not rest or (rest[0] == "revision" and len(rest) >= 2):
-            rev = unquote("/".join(rest[1:])) if rest else "main"
-            if rev not in ("main", "master", commit):
-                self._hf_404("RevisionNotFound", f"Invalid rev id: {rev}")
+            if not self._hf_rev_ok(unquote("/".join(rest[1:])) if rest else "main", commit):
                 return
             siblings = [{"rfilename": f.path} for f in files]
             total = sum(f.size for f in files)
@@ -646,14 +641,28 @@ class _Handler(BaseHTTPRequestHandler):
                 },
             )
         elif rest and rest[0] == "tree" and len(rest) >= 2:
-            rev = unquote(rest[1])
-            if rev not in ("main", "master", commit):
-                self._hf_404("RevisionNotFound", f"Invalid rev id: {rev}")
+            if not self._hf_rev_ok(unquote(rest[1]), commit):
                 return
             prefix = unquote("/".join(rest[2:])).strip("/")
             self._hf_tree(repo=repo, files=files, commit=commit, prefix=prefix, query=query, raw_path=raw_path)
         else:
             self._hf_404("EntryNotFound", f"not found: {raw_path}")
+
+    def _hf_repo(self, repo_id: str) -> tuple[Repo, list[FileInfo], str] | None:
+        """The repo, its files and commit; None once a RepoNotFound answer went out."""
+        repo = self.server.hub._repo(repo_id)
+        if repo is None:
+            self._hf_404("RepoNotFound", "Repository not found")
+            return None
+        files = repo.files()
+        return repo, files, repo.commit(files)
+
+    def _hf_rev_ok(self, rev: str, commit: str) -> bool:
+        """Whether `rev` names this repo's only revision; else a RevisionNotFound answer went out."""
+        if rev in ("main", "master", commit):
+            return True
+        self._hf_404("RevisionNotFound", f"Invalid rev id: {rev}")
+        return False
 
     def _hf_404(self, code: str, message: str, commit: str | None = None) -> None:
         extra = {"X-Error-Code": code, "X-Error-Message": message}
@@ -715,15 +724,12 @@ class _Handler(BaseHTTPRequestHandler):
         if len(parts) < 6 or parts[3] != "resolve":
             self._hf_404("EntryNotFound", f"not found: {path}")
             return
-        repo = hub._repo(f"{parts[1]}/{parts[2]}")
-        if repo is None:
-            self._hf_404("RepoNotFound", "Repository not found")
+        found = self._hf_repo(f"{parts[1]}/{parts[2]}")
+        if found is None:
             return
-        files = repo.files()
-        commit = repo.commit(files)
-        rev, rel = parts[4], "/".join(parts[5:])
-        if rev not in ("main", "master", commit):
-            self._hf_404("RevisionNotFound", f"Invalid rev id: {rev}")
+        repo, _, commit = found
+        rel = "/".join(parts[5:])
+        if not self._hf_rev_ok(parts[4], commit):
             return
         info = hub._lookup(repo, rel)
         if info is None:
