@@ -152,8 +152,13 @@ def record_release(cluster: str, rec: ReleaseRecord) -> None:
     """Append to the history; a deployed release also becomes `current`."""
     path = control_dir(cluster) / RELEASES
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        f.write(rec.to_line() + "\n")
+    with path.open("a+b") as f:
+        cut = False
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            cut = f.read(1) != b"\n"
+        # an interrupted earlier write left a partial line: keep it apart, so only that line is damaged
+        f.write((b"\n" if cut else b"") + rec.to_line().encode() + b"\n")
     if rec.result == "deployed":
         _write_atomic(control_dir(cluster) / CURRENT, json.dumps(json.loads(rec.to_line()), indent=1))
 

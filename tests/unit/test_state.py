@@ -80,6 +80,17 @@ def test_a_damaged_history_names_file_and_line(state_dir: Path, damage: str) -> 
     assert "delete that line" in exc.value.hint
 
 
+def test_a_record_after_a_cut_off_line_stays_intact(state_dir: Path) -> None:
+    state.record_release(CLUSTER, _rec("r1"))
+    with (state_dir / "releases.jsonl").open("a") as f:
+        f.write('{"release": "r2", "at": "2026-01-0')   # a write that was interrupted
+    state.record_release(CLUSTER, _rec("r3"))
+    lines = (state_dir / "releases.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[2])["release"] == "r3"
+    with pytest.raises(StateError, match=r"\(line 2\) is damaged"):
+        state.history(CLUSTER)
+
+
 def _damage_current(state_dir: Path) -> None:
     state.record_release(CLUSTER, _rec("r1"))
     (state_dir / "current.json").write_text('{"release": "r1", "hosts": {"atl')
