@@ -12,13 +12,11 @@ from typing import Any
 
 from kimictl import health, state
 from kimictl.errors import HostError, InvalidInput, KimictlError
-from kimictl.hostops import Change, HostOps, Proc, compute_changes, desired_procs
+from kimictl.hostops import ROLLBACK_READY_TIMEOUT_S, Change, HostOps, Proc, compute_changes, desired_procs
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import Rendered
 from kimictl.ssh import Sessions, SSHError
-
-ROLLBACK_READY_TIMEOUT_S = 300.0
 
 
 @dataclass

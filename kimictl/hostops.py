@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 LIVE_STATES = ("starting", "running", "backoff")
 STOP_GRACE_S = 30
+ROLLBACK_READY_TIMEOUT_S = 300.0  # readiness wait when a rollback restores the previous release
 # Files every host gets in <state>/bin/ (release.yml): the supervisor and the proxy front.
 HOST_BIN = ("supervisor.py", "proxy_front.py")
 

@@ -17,7 +17,7 @@ from typing import Any
 from kimictl import health, state
 from kimictl.errors import HostError, InvalidInput, KimictlError
 from kimictl.facts import engine_profile
-from kimictl.hostops import LIVE_STATES, HostObservation, HostOps, Proc, desired_procs
+from kimictl.hostops import LIVE_STATES, ROLLBACK_READY_TIMEOUT_S, HostObservation, HostOps, Proc, desired_procs
 from kimictl.inventory import Inventory
 from kimictl.render import Rendered
 from kimictl.rollout.overrides import Setting, apply_sets, effective_topology_yaml, parse_sets
@@ -26,7 +26,6 @@ from kimictl.rollout.slices import Analysis, Batch, Endpoint, Slice, analyze, ch
 from kimictl.topology import Topology
 
 ROLLOUT_SCHEMA_VERSION = 1
-ROLLBACK_READY_TIMEOUT_S = 300.0
 
 
 @dataclass
