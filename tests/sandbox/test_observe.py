@@ -15,6 +15,7 @@ import yaml
 from conftest import _bring_up, kimictl
 
 from kimictl.observe import load_config, seconds
+from kimictl.secret_file import proxy_admin_key
 
 pytestmark = pytest.mark.sandbox
 
@@ -90,7 +91,8 @@ def test_a_drain_left_behind_and_a_link_down_fire(monitored):
     sb = monitored
     proxy = f"http://{sb.host('atlas-01')['ip']}:8000"
     decode = f"http://{sb.host('atlas-02')['ip']}:7101"
-    req = urllib.request.Request(f"{proxy}/kimictl/router/0/remove_worker?url={decode}", method="POST")
+    req = urllib.request.Request(f"{proxy}/kimictl/router/0/remove_worker?url={decode}", method="POST",
+                                 headers={"Authorization": f"Bearer {proxy_admin_key(sb.state['cluster'])}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200
     sb.fault("link-down:atlas-01:3")
