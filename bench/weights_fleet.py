@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kimictl.weights.agent import FOLLOW_MIN
+from kimictl.remote.weights_agent import FOLLOW_MIN
 from kimictl.weights.schedule import HUB, TAIL, Schedule
 
 EPS = 1e-9
@@ -521,7 +521,7 @@ def checkpoint_files() -> dict[str, int]:
     """The real checkpoint's file list: the model's bytes (model facts) in msModelSlim's shards, plus the index
     and quant description."""
     from kimictl.facts import model_facts
-    from kimictl.weights.checkpoint import DESCRIPTION_NAME, INDEX_NAME, shard_name
+    from kimictl.sandbox.checkpoint import DESCRIPTION_NAME, INDEX_NAME, shard_name
 
     facts = model_facts()
     n, total = facts.checkpoint_shards, facts.total_bytes

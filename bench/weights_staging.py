@@ -33,8 +33,8 @@ from pathlib import Path
 
 import yaml
 
+from kimictl.remote.weights_agent import FAST_CIPHERS
 from kimictl.sandbox.cluster import Sandbox
-from kimictl.weights.agent import FAST_CIPHERS
 
 NAIVE_DIR = "/var/lib/kimi/naive"
 PLAIN_DIR = "/var/lib/kimi/plain"

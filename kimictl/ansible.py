@@ -1,13 +1,20 @@
-"""Run playbooks with ansible-runner: build the run spec (pure), run it, report per-host results from events."""
+"""Run playbooks with ansible-runner: build the run spec (pure), run it, report per-host results from events.
+
+Secrets stay out of ansible-runner's reach: each playbook run has its own private data directory (0700); extravars
+go to a 0600 file there that is removed when the run ends, never to the command line; ansible-playbook gets only
+the environment it needs (runner writes the whole environment into artifacts/<ident>/command, and ours may hold
+hub tokens). Tasks that handle a secret take it on stdin or from a file, with no_log."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,10 +38,12 @@ class RunSpec:
 
 
 def build_run_spec(run_dir: Path, playbook: str, inventory: Path, extravars: dict[str, Any], *, ident: str,
-                   hosts: list[str], limit: list[str] | None = None, check: bool = False) -> RunSpec:
+                   hosts: list[str], limit: list[str] | None = None, check: bool = False,
+                   host_key_args: str = "") -> RunSpec:
+    """host_key_args: OpenSSH options with the known_hosts files and policy (kimictl.ssh.ansible_host_key_args)."""
     control = run_dir / "cp"
     return RunSpec(
-        private_data_dir=str(run_dir / "ansible"),
+        private_data_dir=str(run_dir / "ansible" / ident),
         playbook=str(playbooks_dir() / playbook),
         inventory=str(Path(inventory).resolve()),
         extravars=extravars,
@@ -46,7 +55,8 @@ def build_run_spec(run_dir: Path, playbook: str, inventory: Path, extravars: dic
             "ANSIBLE_PIPELINING": "True",
             # Multiplexed SSH: sockets in a directory kimictl owns and closes when the deploy ends.
             "ANSIBLE_SSH_CONTROL_PATH_DIR": str(control),
-            "ANSIBLE_SSH_ARGS": "-C -o ControlMaster=auto -o ControlPersist=120s",
+            "ANSIBLE_SSH_ARGS": " ".join(filter(None, [host_key_args,
+                                                       "-C -o ControlMaster=auto -o ControlPersist=120s"])),
             "ANSIBLE_RETRY_FILES_ENABLED": "False",
             "ANSIBLE_DEPRECATION_WARNINGS": "False",
             "ANSIBLE_LOCALHOST_WARNING": "False",
@@ -85,9 +95,46 @@ def _failure_message(res: dict[str, Any]) -> str:
     return "\n".join(p for p in parts if p).strip() or json.dumps(res)[:800]
 
 
+# Of kimictl's own environment, ansible-playbook and ssh get only these (and ANSIBLE_* settings that hold no secret).
+PASS_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR",
+                      "SSH_AUTH_SOCK", "KRB5CCNAME", "XDG_RUNTIME_DIR", "PYTHONPATH", "VIRTUAL_ENV"})
+_SECRET_NAME = re.compile(r"PASS|SECRET|TOKEN|KEY|CRED|AUTH", re.I)
+
+
+def _passes(name: str) -> bool:
+    if name in PASS_ENV or name.startswith("LC_"):
+        return True
+    return name.startswith("ANSIBLE_") and (name.endswith("_FILE") or not _SECRET_NAME.search(name))
+
+
+def runner_env(env: Mapping[str, str], own: Mapping[str, str], outer: Mapping[str, str]) -> dict[str, str]:
+    """ansible-runner seeds the job's environment with all of `outer` (ours): keep what runner and `own` (the spec's
+    envvars) set, and of the rest only what passes."""
+    return {k: v for k, v in env.items() if k in own or outer.get(k) != v or _passes(k)}
+
+
+STALE_EXTRAVARS_S = 600   # ansible-playbook reads its extravars when it starts; older ones were left by a killed run
+
+
+def _remove_stale_extravars(runs: Path) -> None:
+    """A kimictl that was killed mid-playbook leaves its extravars file (which may hold a secret); the next playbook
+    run of the cluster removes it."""
+    cutoff = time.time() - STALE_EXTRAVARS_S
+    for p in runs.glob("*/ansible/*/env/extravars"):
+        with contextlib.suppress(OSError):
+            if p.stat().st_mtime < cutoff:
+                p.unlink()
+
+
+def _write_private(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
 def run_playbook(spec: RunSpec, on_event: Callable[[str, str, str], None] | None = None) -> PlaybookResult:
     """Run one playbook; on_event(host, task, status) is called for each task result."""
-    import ansible_runner
+    from ansible_runner.interface import init_runner
 
     failures: list[HostFailure] = []
     changed: dict[str, int] = {}
@@ -110,16 +157,30 @@ def run_playbook(spec: RunSpec, on_event: Callable[[str, str, str], None] | None
             on_event(host, task, status)
         return True
 
-    Path(spec.private_data_dir).mkdir(parents=True, exist_ok=True)
+    pdd = Path(spec.private_data_dir)
+    (pdd / "env").mkdir(mode=0o700, parents=True, exist_ok=True)
+    for d in (pdd.parent, pdd, pdd / "env"):
+        d.chmod(0o700)
+    envvars = dict(spec.envvars)
     # Use the ansible-playbook that belongs to this interpreter (a venv's bin is often not on PATH).
     bindir = str(Path(sys.executable).parent)
-    if (Path(bindir) / "ansible-playbook").exists() and bindir not in os.environ.get("PATH", "").split(":"):
-        os.environ["PATH"] = f"{bindir}:{os.environ.get('PATH', '')}"
-    runner = ansible_runner.run(
-        private_data_dir=spec.private_data_dir, playbook=spec.playbook, inventory=spec.inventory,
-        extravars=spec.extravars, ident=spec.ident, limit=spec.limit, forks=spec.forks, envvars=spec.envvars,
-        cmdline=spec.cmdline, event_handler=handler, quiet=True, suppress_env_files=False,
-    )
+    path = os.environ.get("PATH", "")
+    if (Path(bindir) / "ansible-playbook").exists() and bindir not in path.split(":"):
+        envvars["PATH"] = f"{bindir}:{path}"
+    # runner passes env/extravars as `-e @file`; given extravars itself it would put them on the command line
+    _remove_stale_extravars(pdd.parents[2])
+    extravars = pdd / "env" / "extravars"
+    _write_private(extravars, json.dumps(spec.extravars))
+    try:
+        runner = init_runner(
+            private_data_dir=spec.private_data_dir, playbook=spec.playbook, inventory=spec.inventory,
+            ident=spec.ident, limit=spec.limit, forks=spec.forks, envvars=envvars, cmdline=spec.cmdline,
+            event_handler=handler, quiet=True, suppress_env_files=True,
+        )
+        runner.config.env = runner_env(runner.config.env, envvars, os.environ)
+        runner.run()
+    finally:
+        extravars.unlink(missing_ok=True)
     if runner.status != "successful" and not failures:
         out = ""
         with contextlib.suppress(OSError, AttributeError):

@@ -5,33 +5,36 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from kimictl.errors import InventoryError
-from kimictl.facts import hardware_catalogue
+from kimictl.errors import InvalidInput, InventoryError
+from kimictl.facts import hardware_catalogue, system_dirs
+from kimictl.secret_file import read_secret_file
 from kimictl.yamlsrc import LineMap, load_yaml, yaml_type_hint
 
 # --- safe value shapes: nothing a shell or YAML could misread -------------------------------------------
+# Every pattern is applied with fullmatch: `$` alone would also accept a trailing newline.
 
-_HOSTNAME = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62})$")
+_HOSTNAME = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,62})")
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-_DNS = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*$")
-_NIC = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,14}$")
-_PATH = re.compile(r"^/[A-Za-z0-9._/+@-]*$")
-_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-_REVISION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._/-]{0,99}$")
-_CLUSTER = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
-_URL = re.compile(r"^https?://[A-Za-z0-9.\-\[\]:]+(?::\d+)?(?:/[A-Za-z0-9._~/%+-]*)?$")
+_DNS = re.compile(rf"(?=.{{1,253}}\Z){_LABEL}(?:\.{_LABEL})*")
+_NIC = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,14}")
+_PATH = re.compile(r"/[A-Za-z0-9._/+@-]*")
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
+_REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}")
+_CLUSTER = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+_URL = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(?::\d+)?(?:/[A-Za-z0-9._~/%+-]*)?")
+_COMMAND = re.compile(r"[A-Za-z0-9._/+@-]+(?: [A-Za-z0-9._/+@=-]+)*")
 
 
 def _matches(pattern: re.Pattern[str], what: str):
     def check(v: str) -> str:
-        if not pattern.match(v):
-            raise ValueError(f"'{v}' is not a valid {what}")
+        if not pattern.fullmatch(v):
+            raise ValueError(f"{v!r} is not a valid {what}")
         return v
 
     return check
@@ -39,12 +42,12 @@ def _matches(pattern: re.Pattern[str], what: str):
 
 def _abs_path(v: str) -> str:
     if not v.startswith("/"):
-        raise ValueError(f"'{v}' must be an absolute path")
-    if not _PATH.match(v):
-        raise ValueError(f"'{v}' has characters outside [A-Za-z0-9._/+@-]")
+        raise ValueError(f"{v!r} must be an absolute path")
+    if not _PATH.fullmatch(v):
+        raise ValueError(f"{v!r} has characters outside [A-Za-z0-9._/+@-]")
     parts = v.split("/")
     if ".." in parts or "." in parts:
-        raise ValueError(f"'{v}' must not contain '.' or '..' components")
+        raise ValueError(f"{v!r} must not contain '.' or '..' components")
     return v.rstrip("/") or "/"
 
 
@@ -54,15 +57,40 @@ def _not_root(v: str) -> str:
     return v
 
 
+def _not_system_dir(v: str) -> str:
+    why = system_dirs().why_refused(v)
+    if why:
+        raise ValueError(f"{why}; give kimictl a directory of its own (e.g. /var/lib/kimi, /data/models/<name>)")
+    return v
+
+
+_IPV4_ONLY = ("kimictl supports IPv4 only (engine and proxy URLs, HCCL_IF_IP, the DP master address and peer "
+              "transfers are built from it); give the host's IPv4 address")
+
+
 def _address(v: str) -> str:
     try:
-        ipaddress.ip_address(v)
-        return v
+        ip = ipaddress.ip_address(v)
     except ValueError:
-        pass
-    if not _DNS.match(v):
-        raise ValueError(f"'{v}' is neither an IP address nor a DNS name")
+        if not _DNS.fullmatch(v):
+            raise ValueError(f"{v!r} is neither an IP address nor a DNS name") from None
+        return v
+    if ip.version == 6:
+        raise ValueError(f"{v!r} is an IPv6 address; {_IPV4_ONLY} or a DNS name")
     return v
+
+
+def _ipv4(why: str):
+    def check(v: str) -> str:
+        try:
+            ip = ipaddress.ip_address(v)
+        except ValueError:
+            raise ValueError(f"{v!r} is not an IP address") from None
+        if ip.version == 6:
+            raise ValueError(f"{v!r} is an IPv6 address; {why}")
+        return str(ip)
+
+    return check
 
 
 def _hardware(v: str) -> str:
@@ -85,14 +113,15 @@ def _known_version(v: str) -> str:
 
 
 def _command(v: str) -> str:
-    if not re.match(r"^[A-Za-z0-9._/+@-]+(?: [A-Za-z0-9._/+@=-]+)*$", v):
-        raise ValueError(f"'{v}' must be a command path with optional plain arguments")
+    if not _COMMAND.fullmatch(v):
+        raise ValueError(f"{v!r} must be a command path with optional plain arguments")
     return v
 
 
 ClusterName = Annotated[str, AfterValidator(_matches(_CLUSTER, "cluster name ([a-z0-9][a-z0-9-]{0,62})"))]
 AbsPath = Annotated[str, AfterValidator(_abs_path)]
-MediaDir = Annotated[str, AfterValidator(_abs_path), AfterValidator(_not_root)]
+KimiDir = Annotated[str, AfterValidator(_abs_path), AfterValidator(_not_system_dir)]  # state, model dirs on hosts
+MediaDir = Annotated[str, AfterValidator(_abs_path), AfterValidator(_not_root), AfterValidator(_not_system_dir)]
 ModelId = Annotated[str, AfterValidator(_matches(_MODEL_ID, "model id (owner/name)"))]
 Revision = Annotated[str, AfterValidator(_matches(_REVISION, "revision"))]
 Url = Annotated[str, AfterValidator(_matches(_URL, "http(s) URL"))]
@@ -100,6 +129,7 @@ Nic = Annotated[str, AfterValidator(_matches(_NIC, "network interface name"))]
 Address = Annotated[str, AfterValidator(_address)]
 HardwareName = Annotated[str, AfterValidator(_hardware)]
 Command = Annotated[str, AfterValidator(_command)]
+DeviceIp = Annotated[str, AfterValidator(_ipv4("NPU device IPs are IPv4 (hccn_tool -ip)"))]
 
 
 def _dym(word: str, options) -> str:
@@ -120,15 +150,20 @@ KEYS: dict[str, Key] = {
     "kimi_cluster": Key("cluster", "cluster name, [a-z0-9][a-z0-9-]{0,62} (required)"),
     "kimi_model_dir": Key("cluster", "absolute checkpoint path on every host (required)"),
     "kimi_model_source": Key("cluster", "modelscope (default), huggingface or local"),
-    "kimi_model_id": Key("cluster", "hub model id, default Eco-Tech/Kimi-K2.5-W4A8"),
+    "kimi_model_id": Key("cluster", "hub model id, default Eco-Tech/Kimi-K2.5-W4A8; also picks the model facts "
+                                    "(K2.5, K2.6, K2.7 W4A8: kimictl/data/models/)"),
     "kimi_model_endpoint": Key("cluster", "hub base URL (mirror or the sandbox's fake hub)"),
     "kimi_model_revision": Key("cluster", "hub revision, default master (ModelScope) / main (HF)"),
-    "kimi_vllm_ascend_version": Key("cluster", "vllm-ascend version profile, default the newest"),
+    "kimi_vllm_ascend_version": Key("cluster", "vllm-ascend version profile (0.23.0.post1, 0.30.0rc2, ...), default "
+                                               "the newest final release"),
     "kimi_runtime": Key("cluster", "container (default) or host"),
     "kimi_proxy_host": Key("cluster", "inventory host that runs the P/D proxy, default the first prefill host"),
+    "kimi_monitor_host": Key("cluster", "inventory host that runs Prometheus (`kimictl observe up`), default the "
+                                        "proxy host"),
     "kimi_api_key_file": Key("cluster", "file on the control node (mode 0600) holding the key clients must send "
                                         "to the proxy (Authorization: Bearer); unset: no key"),
-    "kimi_draft_model_dir": Key("cluster", "eagle3 draft checkpoint path; setting it enables speculative decoding"),
+    "kimi_draft_model_dir": Key("cluster", "draft checkpoint path (eagle3 or dflash, per the topology); setting it "
+                                           "enables speculative decoding"),
     "kimi_media_dir": Key("cluster", "directory engines may read local media from (--allowed-local-media-path)"),
     "kimi_python": Key("cluster", "python3 on the hosts that has modelscope/huggingface_hub, for weights pulls"),
     "kimi_engine_profile": Key("cluster", "engine profile: ascend (default) or cpu-smoke (vLLM CPU build, tiny "
@@ -150,7 +185,7 @@ class ClusterSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     kimi_cluster: ClusterName
-    kimi_model_dir: AbsPath
+    kimi_model_dir: KimiDir
     kimi_model_source: Literal["modelscope", "huggingface", "local"] = "modelscope"
     kimi_model_id: ModelId = "Eco-Tech/Kimi-K2.5-W4A8"
     kimi_model_endpoint: Url | None = None
@@ -158,8 +193,9 @@ class ClusterSettings(BaseModel):
     kimi_vllm_ascend_version: Annotated[str, AfterValidator(_known_version)] | None = None
     kimi_runtime: Literal["container", "host"] = "container"
     kimi_proxy_host: str | None = None
+    kimi_monitor_host: str | None = None
     kimi_api_key_file: AbsPath | None = None
-    kimi_draft_model_dir: AbsPath | None = None
+    kimi_draft_model_dir: KimiDir | None = None
     kimi_media_dir: MediaDir = "/var/lib/kimi/media"
     kimi_python: Command = "python3"
     kimi_engine_profile: Literal["ascend", "cpu-smoke"] = "ascend"  # kimictl/data/engines/<name>.yml
@@ -185,9 +221,9 @@ class Host(BaseModel):
     kimi_hardware: HardwareName
     kimi_nic: Nic
     kimi_role: Literal["prefill", "decode"] | None = None
-    kimi_device_ips: list[Annotated[str, AfterValidator(lambda v: str(ipaddress.ip_address(v)))]] | None = None
-    kimi_host_ip: Annotated[str, AfterValidator(lambda v: str(ipaddress.ip_address(v)))] | None = None
-    kimi_state_dir: AbsPath = "/var/lib/kimi"
+    kimi_device_ips: list[DeviceIp] | None = None
+    kimi_host_ip: Annotated[str, AfterValidator(_ipv4(_IPV4_ONLY))] | None = None
+    kimi_state_dir: KimiDir = "/var/lib/kimi"
     kimi_engine_command: Command | None = None
     kimi_router_command: Command | None = None
     ansible_vars: dict[str, Any] = Field(default_factory=dict, exclude=True)
@@ -238,8 +274,19 @@ class _Origin:
     where: str  # "all.vars", "group prefill", "host h1"
 
 
+@dataclass
+class _Group:
+    line: int
+    parents: set[str] = field(default_factory=set)
+    vars: dict[str, Any] = field(default_factory=dict)
+    origins: dict[str, _Origin] = field(default_factory=dict)
+    priority: int = 1  # ansible_group_priority
+
+
 class _Collector:
-    """Walks the group tree and merges vars with Ansible's precedence (deeper groups win, host vars last)."""
+    """Walks the group tree and merges vars with Ansible's precedence: a host's groups ordered by depth, then
+    ansible_group_priority, then name (each later one wins; ansible.inventory.helpers.sort_groups), host vars last.
+    all.vars are the lowest and are applied separately."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -248,13 +295,18 @@ class _Collector:
         self.all_origin: dict[str, _Origin] = {}
         self.host_order: list[str] = []
         self.host_line: dict[str, int] = {}
-        self.group_vars: dict[str, list[tuple[int, dict[str, Any], dict[str, _Origin]]]] = {}
+        self.groups: dict[str, _Group] = {}
+        self.host_groups: dict[str, set[str]] = {}  # the groups a host is listed in (not all)
         self.host_vars: dict[str, tuple[dict[str, Any], dict[str, _Origin]]] = {}
+        self._depth: dict[str, int] = {"all": 0}
 
     def err(self, line: int, msg: str) -> None:
         self.errors.append(f"{self.path}:{line}: {msg}")
 
-    def walk(self, name: str, group: Any, depth: int, line: int, inherited: list) -> None:
+    def walk(self, name: str, group: Any, line: int, parent: str | None) -> None:
+        g = self.groups.setdefault(name, _Group(line))
+        if parent is not None:
+            g.parents.add(parent)
         if group is None:
             return
         if not isinstance(group, LineMap):
@@ -268,27 +320,34 @@ class _Collector:
         if not isinstance(vars_, LineMap):
             self.err(group.line_of("vars"), f"group '{name}': vars must be a mapping")
             vars_ = LineMap()
-        origins = {k: _Origin(vars_.line_of(k), "all.vars" if name == "all" else f"group {name}") for k in vars_}
+        where = "all.vars" if name == "all" else f"group {name}"
+        for k, v in vars_.items():
+            if k == "ansible_group_priority":  # Ansible keeps it as the group's priority, not as a variable
+                if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, str) and v.strip().isdigit())):
+                    self.err(vars_.line_of(k), f"{where}: ansible_group_priority must be an integer, got {v!r}")
+                else:
+                    g.priority = int(v)
+                continue
+            g.vars[k] = v
+            g.origins[k] = _Origin(vars_.line_of(k), where)
         if name == "all":
-            self.all_vars, self.all_origin = dict(vars_), origins
-            chain = inherited
-        else:
-            chain = [*inherited, (depth, dict(vars_), origins)]
+            self.all_vars, self.all_origin = g.vars, g.origins
         hosts = group.get("hosts") or LineMap()
         if not isinstance(hosts, LineMap):
             self.err(group.line_of("hosts"), f"group '{name}': hosts must be a mapping of host names")
             hosts = LineMap()
         for host, hvars in hosts.items():
             hline = hosts.line_of(host)
-            if not _HOSTNAME.match(host):
-                self.err(hline, f"host name '{host}' is not safe: use letters, digits, '.', '_' and '-' (max 63)")
+            if not _HOSTNAME.fullmatch(host):
+                self.err(hline, f"host name {host!r} is not safe: use letters, digits, '.', '_' and '-' (max 63)")
                 continue
             if host not in self.host_line:
                 self.host_order.append(host)
                 self.host_line[host] = hline
-                self.group_vars[host] = []
+                self.host_groups[host] = set()
                 self.host_vars[host] = ({}, {})
-            self.group_vars[host].extend(chain)
+            if name != "all":
+                self.host_groups[host].add(name)
             if hvars is None:
                 continue
             if not isinstance(hvars, LineMap):
@@ -303,14 +362,43 @@ class _Collector:
             self.err(group.line_of("children"), f"group '{name}': children must be a mapping of groups")
             return
         for child, cgroup in children.items():
-            self.walk(child, cgroup, depth + 1, children.line_of(child), chain)
+            self.walk(child, cgroup, children.line_of(child), name)
+
+    def check_groups(self) -> None:
+        """A group that is its own ancestor is an error in Ansible too; report it once per cycle."""
+        for name in self.groups:
+            self.depth(name, ())
+
+    def depth(self, name: str, path: tuple[str, ...]) -> int:
+        """Ansible's group depth: the longest parent chain up to all (a group without parents is under all)."""
+        if name in self._depth:
+            return self._depth[name]
+        if name in path:
+            cycle = [*path[path.index(name):], name]
+            self.err(self.groups[name].line, f"group '{name}' is its own ancestor ({' -> '.join(reversed(cycle))})")
+            self._depth.update({n: 1 for n in cycle})
+            return 1
+        parents = self.groups[name].parents or {"all"}
+        d = 1 + max(self.depth(p, (*path, name)) for p in parents)
+        self._depth.setdefault(name, d)
+        return self._depth[name]
+
+    def _ancestors(self, name: str, out: set[str]) -> None:
+        if name == "all" or name in out:
+            return
+        out.add(name)
+        for p in self.groups[name].parents:
+            self._ancestors(p, out)
 
     def merged(self, host: str) -> tuple[dict[str, Any], dict[str, _Origin]]:
+        names: set[str] = set()
+        for g in self.host_groups[host]:
+            self._ancestors(g, names)
         values: dict[str, Any] = {}
         origins: dict[str, _Origin] = {}
-        for _, gv, go in sorted(self.group_vars[host], key=lambda t: t[0]):
-            values.update(gv)
-            origins.update(go)
+        for n in sorted(names, key=lambda n: (self.depth(n, ()), self.groups[n].priority, n)):
+            values.update(self.groups[n].vars)
+            origins.update(self.groups[n].origins)
         hv, ho = self.host_vars[host]
         values.update(hv)
         origins.update(ho)
@@ -347,6 +435,13 @@ def _pydantic_errors(c: _Collector, exc: ValidationError, values: dict, origins:
         c.err(line, f"{where}: {field}: {msg}")
 
 
+def _tcp_port(v: Any) -> bool:
+    """ansible_port as Ansible takes it: a number, or a string of digits."""
+    if isinstance(v, str) and v.isascii() and v.isdigit():
+        v = int(v)
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 65535
+
+
 def _dig(value: Any, loc: tuple) -> Any:
     for p in loc:
         try:
@@ -364,7 +459,8 @@ def load_inventory(path: Path | str) -> Inventory:
     if not isinstance(doc, LineMap) or not doc:
         raise InventoryError(f"{path}: an inventory is a YAML mapping of groups, starting with 'all:'")
     for name, group in doc.items():
-        c.walk(name, group, 0 if name == "all" else 1, doc.line_of(name), [])
+        c.walk(name, group, doc.line_of(name), None)
+    c.check_groups()
     if not c.host_order:
         c.err(1, "no hosts: list them under all.hosts (or a child group's hosts)")
         raise InventoryError(f"invalid inventory {path}", details=c.errors)
@@ -389,6 +485,10 @@ def load_inventory(path: Path | str) -> Inventory:
         fields["ansible_host"] = values.get("ansible_host", name)
         origins.setdefault("ansible_host", _Origin(c.host_line[name], f"host {name}"))
         extra = {k: v for k, v in values.items() if not k.startswith("kimi_")}
+        port = extra.get("ansible_port")
+        if port is not None and not _tcp_port(port):
+            c.err(origins["ansible_port"].line, f"host {name}: ansible_port: {port!r} is not a TCP port (1-65535)"
+                  + yaml_type_hint(port if isinstance(port, bool) else ""))
         try:
             hosts.append(Host(name=name, ansible_vars=extra, **fields))
         except ValidationError as exc:
@@ -428,8 +528,13 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
                 if ip in seen_dev:
                     c.err(line, f"host {h.name}: device IP {ip} is also used by {seen_dev[ip]}")
                 seen_dev.setdefault(ip, h.name)
+    if cluster.kimi_api_key_file:  # read where the commands that use it run: checked by validate and plan too
+        try:
+            read_secret_file(Path(cluster.kimi_api_key_file), "kimi_api_key_file")
+        except InvalidInput as exc:
+            c.err(c.all_origin["kimi_api_key_file"].line, f"all.vars: {exc.message}")
     names = [h.name for h in hosts]
-    if cluster.kimi_proxy_host and cluster.kimi_proxy_host not in names:
-        c.err(c.all_origin["kimi_proxy_host"].line,
-              f"all.vars: kimi_proxy_host '{cluster.kimi_proxy_host}' is not an inventory host"
-                 + _dym(cluster.kimi_proxy_host, names))
+    for key in ("kimi_proxy_host", "kimi_monitor_host"):
+        value = getattr(cluster, key)
+        if value and value not in names:
+            c.err(c.all_origin[key].line, f"all.vars: {key} '{value}' is not an inventory host" + _dym(value, names))

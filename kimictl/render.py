@@ -9,9 +9,9 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from kimictl.errors import RenderError
+from kimictl.errors import InvalidInput, RenderError
 from kimictl.facts import engine_profile, hardware_catalogue, version_profile
 from kimictl.inventory import Inventory
 from kimictl.plan import Engine, Plan
@@ -19,12 +19,15 @@ from kimictl.resources import templates_dir
 from kimictl.topology import Topology
 
 RENDER_SCHEMA_VERSION = 1
-# Under a host's kimi_state_dir: the proxy front (shipped like the supervisor), its state, the clients' API key.
+# Under a host's kimi_state_dir: the proxy front (shipped like the supervisor), its state, the clients' API key,
+# the admin key of the routers' own API behind it.
 PROXY_FRONT = "bin/proxy_front.py"
 PROXY_FRONT_STATE = "run/proxy-front/state.json"
 PROXY_API_KEY = "secrets/proxy-api-key"
+PROXY_ADMIN_KEY = "secrets/proxy-admin-key"
 ASCEND_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
-# Host paths the vllm-ascend docs bind into every container (vllm-ascend.md §2), read-only.
+# Host paths the vllm-ascend docs bind into every container, read-only:
+# https://github.com/vllm-project/vllm-ascend/blob/releases/v0.23.0/docs/source/installation.md
 ASCEND_MOUNTS = (
     "/usr/local/dcmi",
     "/usr/local/Ascend/driver/tools/hccn_tool",
@@ -41,6 +44,7 @@ class RenderedEngine(Engine):
     argv: list[str]
     env: dict[str, str]
     env_prepend: dict[str, str]
+    preload: list[str] = Field(default_factory=list)  # LD_PRELOAD when the file exists where the engine runs
 
 
 class RenderedProxy(BaseModel):
@@ -58,7 +62,7 @@ class RenderedProxy(BaseModel):
 
 
 class Rendered(BaseModel):
-    """Everything `render` produces: the CONTRACT document plus the files per host."""
+    """Everything `render` produces: the contract document (docs/contract.md) plus the files per host."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -69,7 +73,7 @@ class Rendered(BaseModel):
     releases: dict[str, str]  # host -> release id (hash of that host's files)
 
     def contract(self) -> dict[str, Any]:
-        """`render --output json` (schema_version 1, see CONTRACT.md)."""
+        """`render --output json` (schema_version 1, see docs/contract.md)."""
         p = self.plan
         return {
             "schema_version": RENDER_SCHEMA_VERSION,
@@ -82,7 +86,7 @@ class Rendered(BaseModel):
                 {"id": e.id, "host": e.host, "ip": e.host_ip, "role": e.role, "instance": e.instance,
                  "dp_ranks": e.dp_ranks, "dp_size": e.dp_size, "tp_size": e.tp_size, "devices": e.devices,
                  "port": e.port, "serves_http": e.serves_http, "argv": e.argv, "env": e.env,
-                 "env_prepend": e.env_prepend}
+                 "env_prepend": e.env_prepend, "preload": e.preload}
                 for e in self.engines
             ],
             "proxy": None if self.proxy is None else {
@@ -241,6 +245,12 @@ def front_argv(plan: Plan, inv: Inventory) -> list[str]:
         argv += ["--router", f"{r.port}:{r.metrics_port}"]
     if p.api_key:
         argv += ["--api-key-file", f"{sd}/{PROXY_API_KEY}"]
+    if p.admin_key:
+        argv += ["--admin-key-file", f"{sd}/{PROXY_ADMIN_KEY}"]
+    lim = p.limits
+    argv += ["--max-connections", str(lim.max_connections), "--max-body", str(lim.max_body_mib * 2**20),
+             "--header-timeout", str(lim.header_timeout_s), "--io-timeout", str(lim.io_timeout_s),
+             "--idle-timeout", str(lim.idle_timeout_s)]
     return [*argv, "--", *proxy_argv(plan, inv)]
 
 
@@ -295,8 +305,9 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
         argv = engine_argv(plan, inv, topo, e)
         env = engine_env(plan, inv, e)
         prepend = plan.role_config[e.role].env_prepend
-        engines.append(RenderedEngine(**e.model_dump(), argv=argv, env=env, env_prepend=prepend))
-        ctx = {"plan": plan, "engine": e, "env": env, "env_prepend": prepend, "argv": argv}
+        preload = plan.role_config[e.role].preload
+        engines.append(RenderedEngine(**e.model_dump(), argv=argv, env=env, env_prepend=prepend, preload=preload))
+        ctx = {"plan": plan, "engine": e, "env": env, "env_prepend": prepend, "preload": preload, "argv": argv}
         out = files[e.host]
         out[f"engines/{e.id}.env"] = render_template("engine.env.j2", **ctx)
         out[f"engines/{e.id}.sh"] = render_template("engine.sh.j2", **ctx)
@@ -330,14 +341,24 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             ],
             "proxy": None if not (plan.proxy and plan.proxy.host == host) else
             {"port": plan.proxy.port, "command": ["bash", "proxy/proxy.sh"], "routers": len(plan.proxy.routers),
-             "api_key": plan.proxy.api_key},
+             "api_key": plan.proxy.api_key, "admin_key": plan.proxy.admin_key},
         }
         out["manifest.json"] = render_template("manifest.json.j2", manifest=manifest)
     return Rendered(plan=plan, engines=engines, proxy=proxy, files=files, releases=releases)
 
 
+def check_out_dir(out_dir: Path) -> None:
+    """`--out DIR` must be a directory or creatable as one (exit 2 before anything is written)."""
+    for p in (out_dir, *out_dir.absolute().parents):
+        if p.exists():
+            if not p.is_dir():
+                raise InvalidInput(f"--out {out_dir}: {p} exists and is not a directory",
+                                   hint="give a directory (it is created when missing)")
+            return
+
+
 def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:
-    """Write each host's files under out_dir/<host>/ and the CONTRACT document as out_dir/render.json."""
+    """Write each host's files under out_dir/<host>/ and the contract document as out_dir/render.json."""
     written: list[Path] = []
     for host, files in rendered.files.items():
         for rel, content in files.items():

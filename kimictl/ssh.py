@@ -1,7 +1,12 @@
-"""Fast read-only SSH probes with paramiko: one connection per host, TCP_NODELAY, strict host keys, in parallel."""
+"""Fast read-only SSH probes with paramiko: one connection per host, TCP_NODELAY, strict host keys, in parallel.
+
+Host keys are checked against known_hosts as OpenSSH reads them (kimictl/known_hosts.py), and the same files and
+policy go to the Ansible stage (`ansible_host_key_args`)."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import shlex
 import socket
@@ -9,12 +14,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, TypeVar
 
+from kimictl import known_hosts as hostkeys
 from kimictl.inventory import Host, Inventory
 
 T = TypeVar("T")
+
+# paramiko logs a failed handshake (a bad banner, a reset) with its traceback through `logging`; with no handler
+# configured Python prints that to stderr. Each host's failure is reported as one SSHError line instead.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 # AEAD ciphers first: one AES-GCM pass per packet (in OpenSSL) instead of AES-CTR plus an HMAC that paramiko
 # verifies in Python; measured ~25% less control-node CPU per connection. Every OpenSSH since 6.2 offers
@@ -22,14 +31,19 @@ T = TypeVar("T")
 PREFERRED_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 
 
-def _transport(sock: Any, **kwargs: Any) -> Any:
+def _first(preferred: tuple[str, ...], have: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(c for c in preferred if c in have) + tuple(c for c in have if c not in preferred)
+
+
+def _transport(sock: Any, key_types: tuple[str, ...] = (), **kwargs: Any) -> Any:
+    """key_types: the host key algorithms known_hosts holds for this host, asked for first (as OpenSSH does)."""
     import paramiko
 
     t = paramiko.Transport(sock, **kwargs)
     opts = t.get_security_options()
-    have = tuple(opts.ciphers)
-    opts.ciphers = tuple(c for c in PREFERRED_CIPHERS if c in have) + tuple(c for c in have
-                                                                            if c not in PREFERRED_CIPHERS)
+    opts.ciphers = _first(PREFERRED_CIPHERS, tuple(opts.ciphers))
+    if key_types:
+        opts.key_types = _first(key_types, tuple(opts.key_types))
     return t
 
 
@@ -45,6 +59,12 @@ class Target:
     known_hosts: tuple[str, ...] = ()
     strict: bool = True
     ssh_config: str | None = None
+    global_known_hosts: tuple[str, ...] = hostkeys.GLOBAL_FILES
+
+    @property
+    def host_key_name(self) -> str:
+        """How known_hosts names this host: `address`, or `[address]:port` off port 22."""
+        return hostkeys.host_name(self.address, self.port)
 
 
 def _common_args(args: str) -> dict[str, Any]:
@@ -73,6 +93,8 @@ def _common_args(args: str) -> dict[str, Any]:
             k = k.strip().lower()
             if k == "userknownhostsfile":
                 out["known_hosts"] += v.split()
+            elif k == "globalknownhostsfile":
+                out["global_known_hosts"] = tuple(v.split())
             elif k == "stricthostkeychecking":
                 out["strict"] = v.strip().lower() not in ("no", "off", "accept-new")
             elif k == "port":
@@ -89,7 +111,7 @@ def target_for(host: Host) -> Target:
     extra = _common_args(" ".join(str(v.get(k, "")) for k in ("ansible_ssh_common_args", "ansible_ssh_extra_args")))
     keys = [v["ansible_ssh_private_key_file"]] if v.get("ansible_ssh_private_key_file") else []
     keys += extra["keys"]
-    known = extra["known_hosts"] or [os.path.expanduser("~/.ssh/known_hosts")]
+    known = extra["known_hosts"] or ["~/.ssh/known_hosts", "~/.ssh/known_hosts2"]   # OpenSSH's default
     return Target(
         name=host.name,
         address=host.ansible_host,
@@ -99,7 +121,22 @@ def target_for(host: Host) -> Target:
         known_hosts=tuple(os.path.expanduser(k) for k in known),
         strict=extra.get("strict", True),
         ssh_config=extra.get("ssh_config"),
+        global_known_hosts=tuple(os.path.expanduser(k)
+                                 for k in extra.get("global_known_hosts", hostkeys.GLOBAL_FILES)),
     )
+
+
+def ansible_host_key_args(inv: Inventory, accept_new: bool) -> str:
+    """OpenSSH options that give the Ansible stage the known_hosts files and policy kimictl's own connections use.
+    They go first on ssh's command line (ANSIBLE_SSH_ARGS), where OpenSSH takes the first value of each option."""
+    targets = [target_for(h) for h in inv.hosts]
+    args = []
+    files = {t.known_hosts for t in targets}
+    if len(files) == 1:   # per-host files differ: each host's own ansible_ssh_common_args say them
+        args += ["-o", shlex.quote("UserKnownHostsFile=" + " ".join(files.pop()))]
+    if accept_new:
+        args += ["-o", "StrictHostKeyChecking=accept-new"]
+    return " ".join(args)
 
 
 @dataclass
@@ -115,6 +152,28 @@ class SSHError(Exception):
 
 
 @dataclass
+class _KnownHostsPolicy:
+    """paramiko's host key hook: no key is loaded into paramiko, so it asks here for every connection (before
+    authenticating) and kimictl/known_hosts.py decides."""
+
+    target: Target
+    accept_new: bool
+
+    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+        t = self.target
+        hostkeys.check(t.name, hostname, key.get_name(), key.get_base64(), t.known_hosts, t.global_known_hosts,
+                       accept_new=self.accept_new)
+
+
+def _known_key_types(target: Target) -> tuple[str, ...]:
+    out: list[str] = []
+    for e in hostkeys.load(target.known_hosts + target.global_known_hosts):
+        if not e.marker and e.matches(target.host_key_name):
+            out += ["rsa-sha2-512", "rsa-sha2-256", "ssh-rsa"] if e.key_type == "ssh-rsa" else [e.key_type]
+    return tuple(dict.fromkeys(out))
+
+
+@dataclass
 class Session:
     target: Target
     timeout: float = 10.0
@@ -126,13 +185,7 @@ class Session:
 
         t = self.target
         client = paramiko.SSHClient()
-        for kh in t.known_hosts:
-            if Path(kh).exists():
-                client.load_host_keys(kh)
-        if self.accept_new_keys or not t.strict:
-            client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-        else:
-            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        client.set_missing_host_key_policy(_KnownHostsPolicy(t, self.accept_new_keys or not t.strict))
         try:
             sock = socket.create_connection((t.address, t.port), timeout=self.timeout)
             # Without TCP_NODELAY every small exec round trip waits on Nagle + delayed ACK (~40 ms).
@@ -140,20 +193,26 @@ class Session:
             client.connect(t.address, port=t.port, username=t.user, key_filename=list(t.key_files) or None,
                            sock=sock, timeout=self.timeout, banner_timeout=self.timeout,
                            auth_timeout=self.timeout, allow_agent=not t.key_files, look_for_keys=not t.key_files,
-                           transport_factory=_transport)
-        except paramiko.SSHException as exc:
+                           transport_factory=functools.partial(_transport, key_types=_known_key_types(t)))
+        except hostkeys.HostKeyError as exc:
             client.close()
-            hint = ""
-            if "not found in known_hosts" in str(exc):
-                hint = " (unknown host key: add it to known_hosts, or pass --accept-new-host-keys)"
-            raise SSHError(f"ssh to {t.user}@{t.address}:{t.port} failed: {exc}{hint}") from None
+            raise SSHError(str(exc)) from None
+        except (paramiko.SSHException, EOFError) as exc:
+            client.close()
+            why = str(exc) or "the connection closed"
+            raise SSHError(f"ssh to {t.user}@{t.address}:{t.port} failed: {why}") from None
         except OSError as exc:
             client.close()
+            if exc.filename is not None:  # a key file (ansible_ssh_private_key_file, -i) that cannot be read
+                raise SSHError(f"ssh to {t.user}@{t.address}:{t.port} failed: cannot read {exc.filename}: "
+                               f"{exc.strerror or exc}") from None
             raise SSHError(f"cannot reach {t.address}:{t.port}: {exc.strerror or exc}") from None
         self._client = client
         return self
 
     def run(self, command: str, timeout: float | None = None, stdin: str | None = None) -> RunResult:
+        import paramiko  # loaded by connect() already
+
         t0 = time.monotonic()
         chan_timeout = timeout or self.timeout
         try:
@@ -166,6 +225,9 @@ class Session:
             rc = stdout_f.channel.recv_exit_status()
         except TimeoutError:
             raise SSHError(f"{self.target.name}: command timed out after {chan_timeout:.0f}s") from None
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            raise SSHError(f"{self.target.name}: the SSH connection failed during a command: "
+                           f"{str(exc) or type(exc).__name__}") from None
         return RunResult(rc, out, err, time.monotonic() - t0)
 
     def transport(self):

@@ -9,9 +9,10 @@ from typing import Any
 
 from kimictl import ascend, health
 from kimictl.inventory import Inventory
-from kimictl.secret_file import proxy_api_key
+from kimictl.observe_up import monitoring_status
+from kimictl.secret_file import proxy_admin_key, proxy_api_key
 from kimictl.ssh import Sessions, SSHError
-from kimictl.state import control_dir
+from kimictl.state import current as recorded_release
 
 STATUS_SCHEMA_VERSION = 1
 _SUPERVISOR_TO_STATE = {"starting": "starting", "backoff": "failed", "failed": "failed", "stopping": "stopped",
@@ -50,11 +51,10 @@ def _engine_metrics(ip: str, port: int) -> dict[str, Any]:
 
 
 def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool = True) -> dict[str, Any]:
-    """The CONTRACT `status --output json` document (schema_version 1)."""
+    """The `status --output json` document of docs/contract.md (schema_version 1)."""
+    record = recorded_release(inv.cluster.name)  # a damaged record: exit 2 before any host is contacted
     probes = _probe(inv, timeout)
     api_key = proxy_api_key(inv)
-    record_path = control_dir(inv.cluster.name) / "current.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else None
     engines: list[dict[str, Any]] = []
     proxy: dict[str, Any] | None = None
     drift: list[dict[str, Any]] = []
@@ -66,8 +66,8 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
                             "detail": str(got)})
             continue
         man = got["manifest"]
-        if record and man and record["hosts"].get(h.name) != man.get("release"):
-            drift.append({"host": h.name, "recorded": record["hosts"].get(h.name), "current": man.get("release")})
+        if record and man and record.hosts.get(h.name) != man.get("release"):
+            drift.append({"host": h.name, "recorded": record.hosts.get(h.name), "current": man.get("release")})
         if not man:
             continue
         served = served or man.get("served_model_name")
@@ -88,7 +88,7 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
         if man.get("proxy"):
             sup = got["supervised"].get("proxy")
             proxy = {"host": h.name, "ip": h.ip, "port": man["proxy"]["port"],
-                     "routers": int(man["proxy"].get("routers", 0)),
+                     "routers": int(man["proxy"].get("routers", 0)), "admin_key": bool(man["proxy"].get("admin_key")),
                      "state": "stopped" if sup is None else _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")}
 
     def readiness(row: dict[str, Any]) -> None:
@@ -112,7 +112,9 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
     if pd and proxy and probe_pairs:
         pairs.append(_pair_probe(engines, proxy, served or "", api_key))
     if proxy and proxy["state"] == "ready":
-        proxy["membership"] = _membership(engines, proxy, api_key)
+        # The routers' own API takes kimictl's admin key (a front made before it had one took the client key).
+        admin = proxy_admin_key(inv.cluster.name) if proxy["admin_key"] else api_key
+        proxy["membership"] = _membership(engines, proxy, admin)
 
     states = [r["state"] for r in engines] + ([proxy["state"]] if proxy else [])
     members_ok = not proxy or all(not m.get("missing") and "error" not in m for m in proxy.get("membership", []))
@@ -125,10 +127,12 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
         state = "degraded"
     if proxy:
         proxy.pop("serves_http", None)
+        proxy.pop("admin_key", None)
     return {"schema_version": STATUS_SCHEMA_VERSION, "cluster": inv.cluster.name, "state": state,
             "served_model_name": served,
-            "release": record["release"] if record else None, "engines": engines, "proxy": proxy,
-            "pairs": pairs, "drift": drift, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "release": record.release if record else None, "engines": engines, "proxy": proxy,
+            "pairs": pairs, "drift": drift, "monitoring": monitoring_status(inv.cluster.name),
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _membership(engines: list[dict[str, Any]], proxy: dict[str, Any], api_key: str | None) -> list[dict[str, Any]]:
@@ -173,4 +177,4 @@ def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: st
     ok = code == 200 and moved_p > 0 and moved_d > 0
     return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "ok" if ok else "failed",
             "detail": f"HTTP {code}; prefill prompt tokens +{moved_p:.0f}, decode external prefix cache +{moved_d:.0f}"
-            + ("" if code == 200 else f": {str(body)[:200]}")}
+            + ("" if code == 200 else f": {health.body_text(body)}")}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -16,13 +17,15 @@ PRESET_DIR = DATA_DIR / "topologies"
 RoleName = Literal["prefill", "decode", "colocated"]
 
 # Flags kimictl computes from the plan; a topology setting them would break ranks, ports or the connector.
+# `config` reads more flags from a YAML file on the host, where any of these could hide.
 RESERVED_FLAGS = {
     "host", "port", "data-parallel-size", "data-parallel-rank", "data-parallel-address",
     "data-parallel-rpc-port", "data-parallel-size-local", "data-parallel-start-rank", "headless",
     "tensor-parallel-size", "kv-transfer-config", "served-model-name", "allowed-local-media-path",
-    "speculative-config", "model",
+    "speculative-config", "model", "config",
 }
-_FLAG = r"^[a-z0-9][a-z0-9-]*$"
+_FLAG = re.compile(r"[a-z0-9][a-z0-9-]*")
+_NUMBER = re.compile(r"-(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 def _positive_int(v: Any) -> bool:
@@ -41,8 +44,9 @@ SERVE_TYPES: dict[str, tuple[Any, str]] = {
     "compilation-config": (lambda v: isinstance(v, dict), "a mapping (it is rendered as JSON)"),
 }
 # Env values kimictl reads: HCCL_BUFFSIZE sizes the reserve in the HBM fit.
-ENV_TYPES = {"HCCL_BUFFSIZE": (lambda v: v.isdigit() and int(v) > 0, "a positive integer number of MiB")}
-_ENV = r"^[A-Z_][A-Z0-9_]*$"
+ENV_TYPES = {"HCCL_BUFFSIZE": (lambda v: v.isascii() and v.isdigit() and int(v) > 0,
+                               "a positive integer number of MiB")}
+_ENV = re.compile(r"[A-Z_][A-Z0-9_]*")
 ServeValue = bool | int | float | str | dict[str, Any] | list[Any]
 
 
@@ -59,7 +63,8 @@ ServeMap = Annotated[dict[str, ServeValue], AfterValidator(_check_serve_map)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a count written as "4", 4.0 or true is an error naming the field, not silently 4 (or 1)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Ports(_Strict):
@@ -69,7 +74,20 @@ class Ports(_Strict):
                                 description="first kv_port; default the hardware minimum (A2 28000, A3 36000)")
 
 
-class Proxy(_Strict):
+class FrontLimits(_Strict):
+    """What kimictl's proxy front allows its clients (docs/operate.md: the proxy front's limits); proxy keys."""
+
+    max_connections: int = Field(1024, ge=16, le=65536, description="client connections served at once; one more "
+                                 "waits up to 2 s for a slot (an idle keep-alive connection gives its own), then 503")
+    max_body_mib: int = Field(256, ge=1, le=4096, description="request body limit in MiB (413 over it)")
+    header_timeout_s: int = Field(10, ge=1, le=300, description="seconds for a request head from its first byte (408)")
+    io_timeout_s: int = Field(30, ge=1, le=3600, description="seconds without a byte of a request body (408), or "
+                                                             "without the client taking a byte of its response")
+    idle_timeout_s: int = Field(75, ge=1, le=3600, description="seconds a keep-alive connection may wait for its "
+                                                               "next request")
+
+
+class Proxy(FrontLimits):
     router: Literal["vllm-router"] = "vllm-router"
     port: int = Field(8000, ge=1024, le=65535)
     policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"
@@ -102,9 +120,18 @@ class Role(_Strict):
 
 
 class Speculative(_Strict):
-    method: Literal["eagle3"] = "eagle3"
+    method: Literal["eagle3", "dflash"] = Field(
+        "eagle3", description="eagle3 (K2.5's lightseekorg draft) or dflash (the K2.6/K2.7 recipes' z-lab drafter)")
     model_id: str
     num_speculative_tokens: dict[RoleName, int]
+
+
+class Slo(_Strict):
+    """Serving targets the monitoring alerts against (unset fields: kimictl/data/observe.yml's slo)."""
+
+    tpot_ms: float | None = Field(None, gt=0, description="time per output token target, ms, at the quantile")
+    ttft_ms: float | None = Field(None, gt=0, description="time to first token target, ms, at the quantile")
+    quantile: float | None = Field(None, gt=0, lt=1, description="the quantile the targets hold for, e.g. 0.9")
 
 
 class Topology(_Strict):
@@ -124,6 +151,7 @@ class Topology(_Strict):
     serve: ServeMap = Field(default_factory=dict)
     roles: dict[RoleName, Role]
     speculative: Speculative | None = None
+    slo: Slo | None = Field(None, description="serving targets for `kimictl observe` alerts")
     source: str = Field("", exclude=True)
 
     @field_validator("hardware")
@@ -155,26 +183,36 @@ class Topology(_Strict):
 
 
 def _check_env(v: dict[str, str]) -> dict[str, str]:
-    import re
-
     for k, val in v.items():
-        if not re.match(_ENV, k):
-            raise ValueError(f"env name '{k}' must match {_ENV}")
+        if not _ENV.fullmatch(k):
+            raise ValueError(f"env name {k!r} must be upper-case letters, digits and '_' ({_ENV.pattern})")
         if k in ENV_TYPES and not ENV_TYPES[k][0](val):
             raise ValueError(f"env '{k}' is '{val}'; it must be {ENV_TYPES[k][1]}")
     return v
 
 
-def _check_serve(v: dict[str, ServeValue]) -> dict[str, ServeValue]:
-    import re
+def _reserved_why(flag: str) -> str:
+    if flag == "config":
+        return "reads more flags from a file on the host, where reserved ones could hide (set flags under serve)"
+    return "is computed by kimictl from the plan"
 
+
+def _check_serve(v: dict[str, ServeValue]) -> dict[str, ServeValue]:
     for k in v:
         if k.startswith("-"):
             raise ValueError(f"serve flag '{k}': write it without leading dashes")
-        if not re.match(_FLAG, k):
-            raise ValueError(f"serve flag '{k}' must be lower-case words joined by '-'")
+        if not _FLAG.fullmatch(k):
+            raise ValueError(f"serve flag {k!r} must be lower-case words joined by '-'")
         if k in RESERVED_FLAGS:
-            raise ValueError(f"serve flag '{k}' is computed by kimictl from the plan; remove it from the topology")
+            raise ValueError(f"serve flag '{k}' {_reserved_why(k)}; remove it from the topology")
+        # vLLM's parser (argparse) takes any unambiguous prefix of a flag: --tensor-parallel is --tensor-parallel-size
+        abbreviates = sorted(r for r in RESERVED_FLAGS if r.startswith(k))
+        if abbreviates:
+            raise ValueError(f"serve flag '{k}' abbreviates '{abbreviates[0]}', which {_reserved_why(abbreviates[0])}; "
+                             "remove it from the topology")
+        if isinstance(v[k], str) and v[k].startswith("-") and not _NUMBER.fullmatch(v[k]):
+            raise ValueError(f"serve flag '{k}' is {v[k]!r}: a value starting with '-' would be read as another "
+                             "flag")
         check = SERVE_TYPES.get(k)
         if check and v[k] is not False and not check[0](v[k]):
             raise ValueError(f"serve flag '{k}' is {v[k]!r}; it must be {check[1]}")
@@ -230,6 +268,19 @@ def _describe(err: dict, doc: Any, path: Path) -> str:
             line = node.line_of(named[0])
     if err["type"] == "missing":
         msg = "required"
+    elif err["type"] == "int_type":
+        msg = "must be an integer" + _int_hint(value)
     elif err["type"].endswith("_type") or err["type"] == "literal_error":
         msg += yaml_type_hint(value)
     return f"{path}:{line}: {field}: {msg}"
+
+
+def _int_hint(value: Any) -> str:
+    if isinstance(value, bool):
+        return f" (YAML read this as the boolean {value}; write a number)"
+    if isinstance(value, str):
+        quoted = value.strip().lstrip("+-").isdigit()
+        return f" (YAML read this as the text {value!r}" + ("; write the number without quotes)" if quoted else ")")
+    if isinstance(value, float):
+        return f" (got {value!r}; write it without a decimal point)"
+    return ""

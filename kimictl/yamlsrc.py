@@ -44,6 +44,43 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool =
 
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
+# Aliases (*name) share one parsed node, but everything that walks the result (validation, merging, rendering)
+# sees every repetition: nested aliases ("billion laughs") expand a small file into billions of values. An
+# inventory of a few hundred hosts or any topology is far below this many values once aliases are expanded.
+MAX_EXPANDED_NODES = 100_000
+
+
+def _expanded_size(root: yaml.Node, cap: int) -> tuple[int, yaml.Node | None]:
+    """The number of nodes the document has with every alias expanded (stopping above cap), and the first node
+    that refers back to one of its own ancestors (a recursive alias, infinite once expanded), if any."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            on_path.discard(key)
+            children = _children(node)
+            size[key] = min(cap + 1, 1 + sum(size[id(c)] for c in children))
+            continue
+        if key in size:
+            continue
+        if key in on_path:
+            return cap + 1, node
+        on_path.add(key)
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if id(c) not in size)
+    return size[id(root)], None
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
 
 def load_yaml(path: Path, what: str) -> Any:
     """Parse a YAML file; syntax errors become InvalidInput naming file:line."""
@@ -53,14 +90,29 @@ def load_yaml(path: Path, what: str) -> Any:
         raise InvalidInput(f"{what} not found: {path}") from None
     except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"cannot read {what} {path}: {exc}") from None
+    loader = _LineLoader(text)
     try:
-        return yaml.load(text, Loader=_LineLoader)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        size, loop = _expanded_size(node, MAX_EXPANDED_NODES)
+        if loop is not None:
+            raise InvalidInput(f"{path}:{loop.start_mark.line + 1}: the YAML anchor (&name) here is used inside "
+                               f"itself (*name), so the {what} never ends")
+        if size > MAX_EXPANDED_NODES:
+            raise InvalidInput(f"{path}: {what} expands to more than {MAX_EXPANDED_NODES} values through YAML "
+                               "aliases (*name); write the values out or use fewer nested aliases")
+        return loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise InvalidInput(f"{where}: invalid YAML in {what}: {exc.problem or exc}") from None
     except yaml.YAMLError as exc:
         raise InvalidInput(f"{path}: invalid YAML in {what}: {exc}") from None
+    except RecursionError:
+        raise InvalidInput(f"{path}: {what} is nested too deeply to read") from None
+    finally:
+        loader.dispose()
 
 
 def yaml_type_hint(value: Any) -> str:

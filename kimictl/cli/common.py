@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from enum import Enum
@@ -12,7 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from kimictl.errors import EXIT_INVALID, KimictlError
+from kimictl.errors import InvalidInput, KimictlError
 
 
 class Output(str, Enum):
@@ -27,6 +28,18 @@ TopologyOpt = Annotated[
     str, typer.Option("--topology", "-t", help="Preset name (`kimictl topologies`) or path to a topology YAML.")
 ]
 OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="text (tables) or json (one document on stdout).")]
+# Options several commands share: one definition each, so the name, short form and help never drift apart.
+HostKeysOpt = Annotated[bool, typer.Option(
+    "--accept-new-host-keys", help="Trust SSH host keys not yet in known_hosts (first contact); default: strict.")]
+LimitOpt = Annotated[list[str] | None, typer.Option("--limit", metavar="HOST", help="Only these hosts (repeatable).")]
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (required without a "
+                                                          "terminal).")]
+ReadyTimeoutOpt = Annotated[float | None, typer.Option(
+    "--ready-timeout", help="Seconds to wait for engines to load (default: sized to the checkpoint).")]
+TokenFileOpt = Annotated[Path | None, typer.Option(
+    "--token-file", help="Hub token file (mode 0600). Default: MODELSCOPE_API_TOKEN / HF_TOKEN from the environment.")]
+SkipPreflightOpt = Annotated[str | None, typer.Option("--skip-preflight", metavar="REASON",
+                                                      help="Skip preflight; the reason is printed.")]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -44,29 +57,88 @@ def stdout_console():
     return Console(soft_wrap=True)
 
 
+def confirm_or_yes(question: str, yes: bool) -> None:
+    """The one rule for commands that start, stop or replace what serves on hosts: --yes goes ahead; on a terminal
+    the user is asked; without a terminal (CI, scripts, pipes) the command refuses before changing anything."""
+    if yes:
+        return
+    if sys.stdin.isatty() and sys.stderr.isatty():
+        typer.confirm(question, abort=True, err=True)
+        return
+    raise InvalidInput(f"no terminal to confirm on: {question[0].lower()}{question[1:].rstrip('?')} needs --yes; "
+                       "nothing was changed", hint="add --yes to run it unattended (CI, scripts)")
+
+
+def reporters(verb: str, events: tuple[str, ...] = ("changed", "failed", "unreachable")):
+    """(say, on_event) printing a command's progress and its playbook task results on stderr."""
+    err = stderr_console()
+    styles = {"changed": "yellow", "failed": "bold red", "unreachable": "bold red"}
+
+    def say(msg: str) -> None:
+        err.print(f"[cyan]{verb}[/] {msg}", highlight=False)
+
+    def on_event(host: str, task: str, status: str) -> None:
+        if status in events:
+            err.print(f"  [{styles[status]}]{status:>11}[/] {host}: {task}", highlight=False)
+
+    return say, on_event
+
+
 def emit_json(doc: Any) -> None:
     """Print one JSON document on stdout and nothing else."""
     sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False) + "\n")
 
 
+DEBUG_ENV = "KIMICTL_DEBUG"  # set (to anything) to get the traceback of an unexpected OS error
+
+
+def _report(exc: KimictlError, output: Any) -> None:
+    if output == Output.json:
+        emit_json({"error": {"code": exc.code, "type": type(exc).__name__, "message": exc.message,
+                             "details": exc.details, "hint": exc.hint}})
+    sys.stderr.write(f"error: {exc.render()}\n")
+
+
+def _os_failure(exc: OSError) -> KimictlError:
+    """An OSError that escaped an operation: exit 1 with the path, pointing at the state dir when it is that."""
+    from kimictl.state import control_dir
+
+    what = exc.strerror or str(exc) or type(exc).__name__
+    path = exc.filename
+    msg = f"{what}: {path}" if path is not None else what
+    if exc.filename2 is not None:
+        msg += f" -> {exc.filename2}"
+    hint = f"set {DEBUG_ENV}=1 to see where it happened"
+    if path is not None:
+        base, p = control_dir("-").parent.absolute(), Path(os.fsdecode(path)).absolute()
+        if p == base or base in p.parents or p in base.parents:
+            return KimictlError(f"cannot use the control-node state directory {base}: {msg}",
+                                hint="set KIMICTL_STATE_DIR to a writable directory; " + hint)
+    return KimictlError(f"the operation failed: {msg}", hint=hint)
+
+
 def handle_errors(fn: F) -> F:
-    """Turn KimictlError into a clear message on stderr and its exit code; never a traceback."""
+    """Turn KimictlError into a clear message on stderr and its exit code; never a traceback.
+
+    Input files the user names are checked where they are read (exit 2 naming the file). Any other OSError that
+    escapes (a file gone mid-run, a directory that cannot be written, a missing program) is the operation failing:
+    exit 1 with the error and its path; KIMICTL_DEBUG=1 shows its traceback instead."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except KimictlError as exc:
-            if kwargs.get("output") == Output.json:
-                emit_json({"error": {"code": exc.code, "type": type(exc).__name__, "message": exc.message,
-                                     "details": exc.details, "hint": exc.hint}})
-            sys.stderr.write(f"error: {exc.render()}\n")
+            _report(exc, kwargs.get("output"))
             raise typer.Exit(exc.code) from None
         except KeyboardInterrupt:
             sys.stderr.write("interrupted\n")
             raise typer.Exit(130) from None
-        except FileNotFoundError as exc:
-            sys.stderr.write(f"error: {exc.strerror}: {exc.filename}\n")
-            raise typer.Exit(EXIT_INVALID) from None
+        except OSError as exc:
+            if os.environ.get(DEBUG_ENV):
+                raise
+            failure = _os_failure(exc)
+            _report(failure, kwargs.get("output"))
+            raise typer.Exit(failure.code) from None
 
     return wrapper  # type: ignore[return-value]

@@ -32,7 +32,10 @@ def plan_view(plan: Plan) -> Group:
         inst.add_column(col)
     for i in plan.instances:
         kv = f"{i.kv_port}-{i.kv_port + i.dp * i.tp - 1}" if i.kv_port else "-"
-        inst.add_row(i.name, ", ".join(i.hosts), f"{i.dp} x {i.tp}", str(i.ep), f"{i.master_host} ({i.master_ip})",
+        hosts = ", ".join(i.hosts) if len(i.hosts) == 1 else ", ".join(
+            f"{h} (ranks {_ranges(sorted(r for e in plan.engines_on(h) if e.instance == i.name for r in e.dp_ranks))})"
+            for h in i.hosts)
+        inst.add_row(i.name, hosts, f"{i.dp} x {i.tp}", str(i.ep), f"{i.master_host} ({i.master_ip})",
                      str(i.rpc_port), kv, i.engine_id or "-")
 
     eng = Table(title="Engines (one process each)", title_justify="left")
@@ -101,8 +104,9 @@ def topologies_view(topos: list[Topology]) -> Table:
 def print_to_stdout(renderable) -> None:
     import sys
 
-    # Piped output (CI logs) gets a wide fixed width instead of rich's 80 columns.
-    Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160).print(renderable)
+    # Piped output (CI logs) gets a wide fixed width instead of rich's 80 columns. crop=False: a line that must stay
+    # one line (no_wrap, e.g. one per unreachable host) runs past the width instead of being cut.
+    Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160).print(renderable, crop=False)
 
 
 def preflight_view(report: PreflightReport) -> Group:
@@ -148,6 +152,8 @@ def status_view(doc: dict) -> Group:
                   f"{e['hbm_used_mb']['max_per_npu'] / 1024:.1f} GiB" if e.get("hbm_used_mb") else "",
                   pct(m.get("ttft_s")), pct(m.get("itl_s")))
     parts: list = [head, t]
+    parts += [Text(f"{e['host']}: unreachable: {e.get('detail', '')}", style="bold red", no_wrap=True,
+                   overflow="ignore") for e in doc["engines"] if e["state"] == "unreachable"]
     if doc["proxy"]:
         p = doc["proxy"]
         members = [m["members"] for m in p.get("membership", []) if "members" in m]
@@ -166,4 +172,10 @@ def status_view(doc: dict) -> Group:
                           style="green" if pair["state"] == "ok" else "bold red"))
     for d in doc["drift"]:
         parts.append(Text(f"drift: {d['host']} runs {d['current']}, recorded {d['recorded']}", style="yellow"))
+    if mon := doc.get("monitoring"):
+        firing = mon["alerts_firing"]
+        parts.append(Text(f"monitoring: Prometheus {mon['prometheus_url']} on {mon['monitor_host']}: {mon['state']}"
+                          + (f", firing {', '.join(firing)}" if firing else ", no alert firing" if
+                             mon["state"] == "ready" else ""),
+                          style="green" if mon["state"] == "ready" and not firing else "yellow"))
     return Group(*parts)

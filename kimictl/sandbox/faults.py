@@ -11,9 +11,9 @@ ROLES = ("prefill", "decode", "colocated", "*")
 DEFAULT_DRIVER_MISMATCH = "23.0.rc3"
 DEFAULT_SMALL_DISK = "2G"
 
-_SIZE = re.compile(r"^[1-9][0-9]*[KMGkmg]?$")
-_RATE = re.compile(r"^[1-9][0-9]*(bit|kbit|mbit|gbit)$")
-_VERSION = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.\-]{0,40}$")
+_SIZE = re.compile(r"[1-9][0-9]*[KMGkmg]?")
+_RATE = re.compile(r"[1-9][0-9]*(bit|kbit|mbit|gbit)")
+_VERSION = re.compile(r"[0-9A-Za-z][0-9A-Za-z.\-]{0,40}")
 
 # kind -> (argument names after the host, how many of them are required)
 KINDS: dict[str, tuple[tuple[str, ...], int]] = {
@@ -77,25 +77,25 @@ def parse_fault(spec: str, hosts: list[str] | None = None, npus: int | None = No
     raw = args[0] if args else None
     arg: str | int | None = raw
     if kind in ("npu-unhealthy", "link-down"):
-        if not raw or not raw.isdigit():
+        if not raw or not (raw.isascii() and raw.isdigit()):
             raise _bad(spec, raw or "", "NPU id must be a non-negative integer")
         arg = int(raw)
         if npus is not None and arg >= npus:
             raise _bad(spec, raw, f"NPU id out of range; {host} has NPUs 0..{npus - 1}")
     elif kind == "port-taken":
-        if not raw or not raw.isdigit() or not 1 <= int(raw) <= 65535:
+        if not raw or not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 65535:
             raise _bad(spec, raw or "", "PORT must be an integer in 1..65535")
         arg = int(raw)
     elif kind == "slow-link":
-        if not raw or not _RATE.match(raw):
+        if not raw or not _RATE.fullmatch(raw):
             raise _bad(spec, raw or "", "RATE must look like 200mbit, 1gbit or 500kbit")
     elif kind == "small-disk":
         arg = raw or DEFAULT_SMALL_DISK
-        if not _SIZE.match(str(arg)):
+        if not _SIZE.fullmatch(str(arg)):
             raise _bad(spec, str(arg), "SIZE must look like 2G, 500M or 1048576")
     elif kind == "driver-mismatch":
         arg = raw or DEFAULT_DRIVER_MISMATCH
-        if not _VERSION.match(str(arg)):
+        if not _VERSION.fullmatch(str(arg)):
             raise _bad(spec, str(arg), "VERSION must look like 23.0.rc3")
     elif kind in ("engine-crash", "engine-hang"):
         arg = raw or "*"

@@ -31,14 +31,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kimictl.errors import InvalidInput, KimictlError
-from kimictl.weights.agent import file_digest, unsafe_name
+from kimictl.remote.weights_agent import file_digest, unsafe_name
 
 DEFAULT_REVISION = {"modelscope": "master", "huggingface": "main"}
 _CLIENT = {"modelscope": "modelscope_hub", "huggingface": "huggingface_hub"}
 _ENDPOINT_ENV = {"modelscope": ("MODELSCOPE_ENDPOINT", "https://modelscope.cn"),
                  "huggingface": ("HF_ENDPOINT", "https://huggingface.co")}
 DESCRIPTION = "quant_model_description.json"
-_HEX = {"sha256": re.compile(r"^[0-9a-f]{64}$"), "git_sha1": re.compile(r"^[0-9a-f]{40}$")}
+_HEX = {"sha256": re.compile(r"[0-9a-f]{64}"), "git_sha1": re.compile(r"[0-9a-f]{40}")}
 _EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 _ATTENTION = re.compile(r"\.self_attn\.(?:q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|o_proj)\.")
 # Tags vllm-ascend registers a MoE scheme for (reference B3); FLOAT experts are left unquantized.
@@ -112,7 +112,7 @@ class FileEntry(BaseModel):
         if v is None or v == "":
             return None
         v = str(v).lower()
-        if not _HEX[info.field_name].match(v):
+        if not _HEX[info.field_name].fullmatch(v):
             raise ValueError(f"{info.field_name} {v!r} is not a hex digest")
         return v
 

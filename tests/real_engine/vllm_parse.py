@@ -2,6 +2,8 @@
 
 stdin: JSON {"argvs": {name: [args after `vllm serve MODEL`]}, "model": path, "exempt": {flag: [values]}}
 stdout: JSON {name: null | "error message"}
+or stdin: JSON {"resolve": ["--flag", ...]}
+stdout: JSON {"--flag": the long option argparse takes it for (an abbreviation resolves) | null (unknown/ambiguous)}
 """
 
 import contextlib
@@ -23,9 +25,27 @@ def parser():
     return make_arg_parser(FlexibleArgumentParser(prog="vllm serve"))
 
 
+def resolve(p, flags):
+    out = {}
+    for flag in flags:
+        try:
+            with contextlib.redirect_stderr(io.StringIO()):
+                got = p._parse_optional(flag)  # argparse's own lookup, abbreviations included
+        except SystemExit:  # ambiguous
+            got = None
+        if isinstance(got, list):  # Python >= 3.12 returns every candidate
+            got = got[0] if len(got) == 1 else None
+        action = got[0] if got else None
+        out[flag] = max(action.option_strings, key=len) if action is not None else None
+    return out
+
+
 def main() -> None:
     req = json.load(sys.stdin)
     p = parser()
+    if "resolve" in req:
+        json.dump(resolve(p, req["resolve"]), sys.stdout)
+        return
     out = {}
     for name, argv in req["argvs"].items():
         args = list(argv)

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,10 +160,43 @@ def _control_state_dir(tmp_path_factory):
         os.environ["KIMICTL_STATE_DIR"] = old
 
 
-def kimictl(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `kimictl ARGS` in a subprocess, as a user or CI would."""
+def kimictl(*args: str, timeout: float = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `kimictl ARGS` in a subprocess, as a user or CI would (`env` added to this process's environment)."""
     return subprocess.run([sys.executable, "-m", "kimictl", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+                          timeout=timeout, check=False, env={**os.environ, **(env or {})})
+
+
+class ArgvWatch:
+    """`with ArgvWatch(secret) as w: ...`: samples the argv of every process on the machine (sandbox hosts' too:
+    their PID namespaces are children of ours) until the block ends; `w.hits` are the command lines that held a
+    needle."""
+
+    def __init__(self, *needles: str):
+        self.needles = [n.encode() for n in needles]
+        self.hits: list[str] = []
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for pid in filter(str.isdigit, os.listdir("/proc")):
+                try:
+                    argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+                except OSError:
+                    continue
+                if any(n in argv for n in self.needles):
+                    self.hits.append(argv.replace(b"\0", b" ").decode(errors="replace"))
+            self.samples += 1
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> ArgvWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 @pytest.fixture(scope="session")

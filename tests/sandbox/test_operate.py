@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import subprocess
 import sys
 import tarfile
+import tempfile
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import _bring_up
+from conftest import ArgvWatch, _bring_up
+
+from kimictl.ansible import close_control_masters
 
 pytestmark = pytest.mark.sandbox
 
@@ -23,6 +27,7 @@ API_PLANTED = "planted-api-key-7d1c0ffee42"
 FILE_PLANTED = "planted-from-secrets-file-31415"
 ENGINES = ["decode-0-dp0", "decode-0-dp1", "decode-0-dp2", "decode-0-dp3", "prefill-0-dp0", "prefill-0-dp1"]
 SD = "/var/lib/kimi"
+ROOT = Path(__file__).resolve().parents[2]
 
 # Until the lead registers these commands in kimictl/cli/main.py, drive them through a small app.
 _RUNNER = ("import sys, typer; from kimictl.cli import lifecycle, logs; app = typer.Typer(); "
@@ -44,9 +49,9 @@ def ops(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> 
                           env={**os.environ, **(env or {})})
 
 
-def kimictl(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+def kimictl(*args: str, timeout: float = 900, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kimictl", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False)
+                          timeout=timeout, check=False, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +192,7 @@ def test_stop_stops_everything_keeps_current_and_is_idempotent(deployed) -> None
 
 def test_start_brings_current_back_ready_and_is_idempotent(deployed) -> None:
     sb = deployed
-    proc = ops("start", "-i", str(sb.inventory), "--output", "json")
+    proc = ops("start", "-i", str(sb.inventory), "--yes", "--output", "json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert doc["result"] == "started"
@@ -202,7 +207,7 @@ def test_start_brings_current_back_ready_and_is_idempotent(deployed) -> None:
     assert dep.returncode == 0 and json.loads(dep.stdout)["result"] == "no-changes", dep.stderr[-2000:]
 
     pids = {h: {n: s["child_pid"] for n, s in _supervised(sb, h).items()} for h in sb.hosts}
-    again = ops("start", "-i", str(sb.inventory), "--output", "json")
+    again = ops("start", "-i", str(sb.inventory), "--yes", "--output", "json")
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads(again.stdout)["result"] == "already-running"
     assert {h: {n: s["child_pid"] for n, s in _supervised(sb, h).items()} for h in sb.hosts} == pids
@@ -215,7 +220,7 @@ def test_start_and_stop_limit_to_one_host(deployed) -> None:
     assert sorted(json.loads(proc.stdout)["hosts"]) == ["atlas-02"]
     assert all(s["state"] == "running" for s in _supervised(sb, "atlas-01").values())
     assert all(s["state"] == "stopped" for s in _supervised(sb, "atlas-02").values())
-    proc = ops("start", "-i", str(sb.inventory), "--limit", "atlas-02", "--output", "json")
+    proc = ops("start", "-i", str(sb.inventory), "--limit", "atlas-02", "--yes", "--output", "json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(json.loads(proc.stdout)["hosts"]["atlas-02"]["started"]) == ENGINES[:4]
     assert ops("stop", "-i", str(sb.inventory), "--limit", "atlas-9").returncode == 2
@@ -226,7 +231,7 @@ def test_start_failure_names_host_step_and_log_tail(deployed) -> None:
     assert ops("stop", "-i", str(sb.inventory), "--limit", "atlas-02", "--yes").returncode == 0
     sb.fault("engine-crash:atlas-02:decode")
     try:
-        proc = ops("start", "-i", str(sb.inventory), "--limit", "atlas-02", "--output", "json")
+        proc = ops("start", "-i", str(sb.inventory), "--limit", "atlas-02", "--yes", "--output", "json")
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert "host atlas-02" in proc.stderr and "--- log tail ---" in proc.stderr
         assert "engine_crash_at_start" in proc.stderr and "Traceback" not in proc.stderr
@@ -234,6 +239,98 @@ def test_start_failure_names_host_step_and_log_tail(deployed) -> None:
     finally:
         sb.fault("clear:all")
     assert ops("stop", "-i", str(sb.inventory), "--limit", "atlas-02", "--yes").returncode == 0
-    proc = ops("start", "-i", str(sb.inventory), "--output", "json")
+    proc = ops("start", "-i", str(sb.inventory), "--yes", "--output", "json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert kimictl("status", "-i", str(sb.inventory), "--output", "json").returncode == 0
+
+
+@pytest.fixture
+def fresh_known_hosts(deployed, tmp_path):
+    """`fresh_known_hosts(name, head="")`: a copy of the inventory whose hosts are checked against a new known_hosts
+    file (starting with `head`, or missing) and whose Ansible opens its own SSH connections (no master of the
+    sandbox's may answer for it). Returns (inventory, known_hosts)."""
+    cpd = Path(tempfile.mkdtemp(prefix="kcp-", dir="/tmp"))   # short: ssh's socket paths are limited
+
+    def make(name: str, head: str = "") -> tuple[Path, Path]:
+        kh = tmp_path / name
+        if head:
+            kh.write_text(head)
+        doc = yaml.safe_load(deployed.inventory.read_text())
+        v = doc["all"]["vars"]
+        v["ansible_ssh_common_args"] = f"-o UserKnownHostsFile={kh} -o StrictHostKeyChecking=yes -o IdentitiesOnly=yes"
+        v["ansible_control_path_dir"] = str(cpd / "cp")
+        inv = tmp_path / f"{name}.yml"
+        inv.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return inv, kh
+
+    yield make
+    close_control_masters(cpd)
+    shutil.rmtree(cpd, ignore_errors=True)
+
+
+KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIDKU1pVvVmTq2QOV2l7Hz7vrbQJb6+UyxyuPJ6jTz4vE"
+KH_HEAD = f"# hosts we trust\n@cert-authority *.corp.example {KEY}\nold.example.com {KEY} old\n\n# end"
+
+
+def _host_key_lines(sb) -> set[str]:
+    return set((sb.dir / "known_hosts").read_text().splitlines())
+
+
+def test_new_host_keys_are_learnt_for_probes_and_playbooks(deployed, fresh_known_hosts) -> None:
+    sb = deployed
+    inv, kh = fresh_known_hosts("kh-refused")
+    proc = ops("stop", "-i", str(inv), "--yes")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    for h in sb.hosts:
+        assert f"unknown host key for {h} ({sb.host(h)['ip']}, ssh-ed25519 SHA256:" in proc.stderr
+    assert "--accept-new-host-keys" in proc.stderr and not kh.exists()
+    assert all(s["state"] == "running" for h in sb.hosts for s in _supervised(sb, h).values())
+
+    # stop and start run playbooks; preflight connects to every host: each learns the keys into its own file
+    inv, kh = fresh_known_hosts("kh-ops", KH_HEAD)
+    proc = ops("stop", "-i", str(inv), "--yes", "--accept-new-host-keys", "--output", "json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["result"] == "stopped"
+    text = kh.read_text()
+    assert text.startswith(KH_HEAD + "\n") and set(text[len(KH_HEAD) + 1:].splitlines()) == _host_key_lines(sb)
+    inv_pf, kh_pf = fresh_known_hosts("kh-preflight")
+    proc = kimictl("preflight", "-i", str(inv_pf), "--topology", "a3-pd", "--accept-new-host-keys", "--output", "json")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert set(kh_pf.read_text().splitlines()) == _host_key_lines(sb)
+    inv, kh = fresh_known_hosts("kh-start")
+    proc = ops("start", "-i", str(inv), "--accept-new-host-keys", "--output", "json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["result"] == "started"
+    assert set(kh.read_text().splitlines()) == _host_key_lines(sb)
+
+
+def test_deploy_with_an_api_key_and_hub_tokens_about_leaks_neither(deployed, fresh_known_hosts, tmp_path) -> None:
+    """Last in this module: it leaves the proxy behind an API key."""
+    sb = deployed
+    api_key, hub_token = "sk-canary-api-5e8a1f", "hf_canaryHubToken0c9b7d2e"
+    inv, kh = fresh_known_hosts("kh-deploy")
+    key_file = tmp_path / "api-key"
+    key_file.write_text(api_key + "\n")
+    key_file.chmod(0o600)
+    doc = yaml.safe_load(inv.read_text())
+    doc["all"]["vars"]["kimi_api_key_file"] = str(key_file)
+    inv.write_text(yaml.safe_dump(doc, sort_keys=False))
+    topo = tmp_path / "a3-pd-tuned.yml"
+    topo.write_text((ROOT / "kimictl/data/topologies/a3-pd.yml").read_text()
+                    .replace("name: a3-pd", "name: a3-pd-tuned").replace("max-num-seqs: 32", "max-num-seqs: 24"))
+    with ArgvWatch(api_key, hub_token) as watch:
+        proc = kimictl("deploy", "-i", str(inv), "--topology", str(topo), "--yes", "--skip-preflight", "test",
+                       "--accept-new-host-keys", "--output", "json",
+                       env={"HF_TOKEN": hub_token, "MODELSCOPE_API_TOKEN": hub_token})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout)["result"] == "deployed"
+    assert watch.samples > 10 and watch.hits == []
+    assert set(kh.read_text().splitlines()) == _host_key_lines(sb)
+    state = Path(os.environ["KIMICTL_STATE_DIR"])
+    assert list(state.rglob("artifacts/*/command"))   # the playbooks ran and left their artifacts
+    leaks = subprocess.run(["grep", "-rlF", "-e", api_key, "-e", hub_token, str(state)], capture_output=True,
+                           text=True, check=False)
+    assert leaks.stdout == ""
+    for h in sb.hosts:
+        assert sb.ssh(h, f"grep -rl -- {hub_token} {SD} /root 2>/dev/null").stdout == ""
+    assert api_key not in proc.stdout + proc.stderr and hub_token not in proc.stdout + proc.stderr

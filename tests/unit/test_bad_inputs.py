@@ -1,7 +1,7 @@
 """Bad-input corpus: every case goes through the real CLI and must exit 2 with a clear message, no traceback.
 
 One table (CASES). Each case names an inventory and a topology: a file under tests/data/bad/, a preset name,
-or (inventories only) python data written by inventory_factory.
+or python data written by inventory_factory.
 `expect` substrings must all be in the message (field/key name, host name, ...). `at` gives file:line: the
 message must contain `<file>:<n>` where n is the first non-comment line of that file starting with `at`
 (after indentation). Cases marked `bug` are kimictl defects the lead will fix: strict xfail.
@@ -28,7 +28,7 @@ BAD = REPO / "tests" / "data" / "bad"
 class Case:
     id: str
     inventory: str | dict[str, Any]
-    topology: str | None
+    topology: str | dict[str, Any] | None
     expect: tuple[str, ...]
     at: str | None = None  # file:line expected; the line starts with this text
     at_file: str = "inventory"  # "inventory" or "topology": which file `at` is in
@@ -43,6 +43,21 @@ def _inv(vars_: dict[str, Any], hosts: dict[str, Any]) -> dict[str, Any]:
 
 A3 = "atlas-800-a3"
 A3P = {"ansible_host": "10.0.0.1", "kimi_hardware": A3}
+A3D = {"ansible_host": "10.0.0.2", "kimi_hardware": A3}
+
+
+def _pd(**changes: Any) -> dict[str, Any]:
+    """A valid a3-pd-like topology with `changes` merged in (one level deep per top-level key)."""
+    doc: dict[str, Any] = {
+        "name": "bad-typed", "description": "a field of the wrong type", "hardware": A3, "mode": "pd",
+        "proxy": {"port": 8000}, "ports": {"http_base": 7100, "rpc": 12321},
+        "roles": {"prefill": {"dp": 2, "tp": 8}, "decode": {"dp": 4, "tp": 4}},
+        "speculative": {"model_id": "lightseekorg/kimi-k2.5-eagle3", "num_speculative_tokens": {"decode": 3}},
+    }
+    for k, v in changes.items():
+        doc[k] = {**doc[k], **v} if isinstance(v, dict) and isinstance(doc.get(k), dict) else v
+    return doc
+
 
 CASES: list[Case] = [
     # --- inventory keys -----------------------------------------------------------------------------------
@@ -118,6 +133,8 @@ CASES: list[Case] = [
          ("a3-d.cluster.example.com", "kimi_host_ip", "host a3-d"), at="a3-d:"),
     Case("proxy-host-unknown", "inv-proxy-host-unknown.yml", "a3-pd",
          ("kimi_proxy_host", "a3-x", "not an inventory host"), at="kimi_proxy_host:"),
+    Case("monitor-host-unknown", _inv({"kimi_monitor_host": "a3-q"}, {"a3-p": A3P}), "a3-pd",
+         ("kimi_monitor_host", "a3-q", "not an inventory host", "did you mean 'a3-p'"), at="kimi_monitor_host:"),
     Case("version-unknown", "inv-version-unknown.yml", "a3-pd", ("kimi_vllm_ascend_version", "0.99.0", "0.23.0")),
     Case("version-unknown-file-line", "inv-version-unknown.yml", "a3-pd", ("kimi_vllm_ascend_version",),
          at="kimi_vllm_ascend_version:"),
@@ -217,11 +234,98 @@ CASES: list[Case] = [
          ("additional-config", "mapping"), at="decode:", at_file="topology"),
     Case("tp-not-dividing-attention-heads", "good-a3-2.yml", "topo-tp-not-dividing-heads.yml",
          ("TP 6", "64", "attention heads")),
+    # --- issue 16 item 6: `$` accepts a trailing newline; every pattern is a fullmatch ------------------------
+    Case("cluster-trailing-newline", "inv-cluster-trailing-newline.yml", "a3-pd",
+         ("kimi_cluster", "'kimi-test\\n'", "cluster name"), at="kimi_cluster:"),
+    Case("nic-trailing-newline", "inv-nic-trailing-newline.yml", "a3-pd", ("kimi_nic", "'eth1\\n'", "host a3-d"),
+         at="a3-d:"),
+    Case("hostname-trailing-newline", _inv({}, {"a3-p": A3P, "a3-d\n": A3D}), "a3-pd",
+         ("host name", "'a3-d\\n'", "not safe")),
+    Case("model-dir-trailing-newline", _inv({"kimi_model_dir": "/data/models/k\n"}, {"a3-p": A3P, "a3-d": A3D}),
+         "a3-pd", ("kimi_model_dir", "'/data/models/k\\n'"), at="kimi_model_dir:"),
+    Case("model-id-trailing-newline", _inv({"kimi_model_id": "Eco-Tech/Kimi-K2.5-W4A8\n"}, {"a3-p": A3P}),
+         "a3-pd", ("kimi_model_id", "model id"), at="kimi_model_id:"),
+    Case("revision-trailing-newline", _inv({"kimi_model_revision": "master\n"}, {"a3-p": A3P}), "a3-pd",
+         ("kimi_model_revision", "revision"), at="kimi_model_revision:"),
+    Case("endpoint-trailing-newline", _inv({"kimi_model_endpoint": "http://mirror.example.com\n"}, {"a3-p": A3P}),
+         "a3-pd", ("kimi_model_endpoint", "URL"), at="kimi_model_endpoint:"),
+    Case("engine-command-trailing-newline",
+         _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "kimi_engine_command": "/opt/sim/vllm\n"}}), "a3-pd",
+         ("kimi_engine_command", "host a3-d"), at="kimi_engine_command:"),
+    Case("dns-name-trailing-newline",
+         _inv({}, {"a3-p": A3P, "a3-d": {"ansible_host": "a3-d.example.com\n", "kimi_host_ip": "10.0.0.2",
+                                         "kimi_hardware": A3}}), "a3-pd",
+         ("ansible_host", "neither an IP address nor a DNS name", "host a3-d"), at="ansible_host: 'a3-d"),
+    Case("env-name-trailing-newline", "good-a3-2.yml", "topo-env-name-newline.yml",
+         ("roles.decode.env", "'HCCL_OP_EXPANSION_MODE\\n'"), at="decode:", at_file="topology"),
+    Case("serve-flag-trailing-newline", "good-a3-2.yml", "topo-serve-flag-newline.yml",
+         ("roles.decode.serve", "'max-num-seqs\\n'"), at="decode:", at_file="topology"),
+    # --- system directories (kimictl/data/system_dirs.yml) -----------------------------------------------------
+    Case("model-dir-system", "inv-model-dir-system.yml", "a3-pd", ("kimi_model_dir", "'/usr' is a system directory"),
+         at="kimi_model_dir:"),
+    Case("state-dir-in-etc", "inv-state-dir-in-etc.yml", "a3-pd",
+         ("kimi_state_dir", "'/etc/kimi' is inside the system directory '/etc'", "host a3-d"), at="kimi_state_dir:"),
+    Case("state-dir-var", _inv({"kimi_state_dir": "/var"}, {"a3-p": A3P}), "a3-pd",
+         ("kimi_state_dir", "'/var' is a system directory", "host a3-p"), at="kimi_state_dir:"),
+    Case("media-dir-home", _inv({"kimi_media_dir": "/home/"}, {"a3-p": A3P}), "a3-pd",
+         ("kimi_media_dir", "'/home' is a system directory"), at="kimi_media_dir:"),
+    Case("draft-model-dir-proc", _inv({"kimi_draft_model_dir": "/proc/self"}, {"a3-p": A3P}), "a3-pd",
+         ("kimi_draft_model_dir", "'/proc/self' is inside the system directory '/proc'"), at="kimi_draft_model_dir:"),
+    # --- IPv6: refused with a message naming the host and key (URLs, HCCL and peer transfers are IPv4) ----------
+    Case("ipv6-ansible-host", "inv-ipv6-ansible-host.yml", "a3-pd",
+         ("host a3-d", "ansible_host", "'fd00::2' is an IPv6 address", "IPv4 only"), at="a3-d:"),
+    Case("ipv6-host-ip", _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "kimi_host_ip": "fd00::2"}}), "a3-pd",
+         ("host a3-d", "kimi_host_ip", "IPv6", "IPv4 only"), at="kimi_host_ip:"),
+    Case("ipv6-device-ip", _inv({}, {"a3-p": {**A3P, "kimi_device_ips": [f"fd00::{i + 1}" for i in range(16)]}}),
+         "a3-pd", ("host a3-p", "kimi_device_ips.0", "IPv6"), at="kimi_device_ips:"),
+    # --- group precedence inputs Ansible refuses too ---------------------------------------------------------
+    Case("group-priority-word", "inv-group-priority-word.yml", "a3-pd",
+         ("group decode", "ansible_group_priority", "'high'"), at="ansible_group_priority:"),
+    Case("group-cycle", "inv-group-cycle.yml", "a3-pd", ("'racks' is its own ancestor", "decode"), at="racks:"),
+    Case("ansible-port-word", "inv-ansible-port-word.yml", "a3-pd", ("host a3-d", "ansible_port", "'ssh'"),
+         at="a3-d:"),
+    # --- topology numbers are strictly typed ----------------------------------------------------------------------
+    Case("dp-quoted", "good-a3-2.yml", "topo-dp-quoted.yml", ("roles.decode.dp", "integer", "'4'", "without quotes"),
+         at="decode:", at_file="topology"),
+    Case("tp-float", "good-a3-2.yml", "topo-tp-float.yml", ("roles.decode.tp", "integer", "4.0"), at="tp: 4.0",
+         at_file="topology"),
+    Case("nodes-boolean", "good-a3-2.yml", "topo-nodes-bool.yml", ("roles.decode.nodes", "integer", "boolean"),
+         at="nodes: true", at_file="topology"),
+    Case("http-base-quoted", "good-a3-2.yml", "topo-port-quoted.yml", ("ports.http_base", "integer", "'7100'"),
+         at="http_base:", at_file="topology"),
+    Case("proxy-port-float", "good-a3-2.yml", "topo-proxy-port-float.yml", ("proxy.port", "integer", "8000.0"),
+         at="port: 8000.0", at_file="topology"),
+    Case("share-quoted", "good-a3-2.yml", "topo-share-quoted.yml", ("share.decode", "integer", "'2'"),
+         at="decode:", at_file="topology"),
+    Case("routers-boolean", "good-a3-2.yml", _pd(proxy={"routers": True}), ("proxy.routers", "integer", "boolean")),
+    Case("rpc-port-quoted", "good-a3-2.yml", _pd(ports={"rpc": "12321"}), ("ports.rpc", "integer", "'12321'")),
+    Case("spec-tokens-quoted", "good-a3-2.yml",
+         _pd(speculative={"model_id": "lightseekorg/kimi-k2.5-eagle3", "num_speculative_tokens": {"decode": "3"}}),
+         ("speculative.num_speculative_tokens.decode", "integer", "'3'")),
+    # --- reserved serve flags cannot be sneaked in ------------------------------------------------------------------
+    Case("reserved-flag-abbreviated", "good-a3-2.yml", "topo-reserved-abbrev.yml",
+         ("roles.decode.serve", "'tensor-parallel'", "abbreviates 'tensor-parallel-size'"), at="decode:",
+         at_file="topology"),
+    Case("reserved-flag-abbreviated-name", "good-a3-2.yml", "topo-reserved-abbrev-name.yml",
+         ("roles.prefill.serve", "'served-model'", "abbreviates 'served-model-name'"), at="serve: {served-model",
+         at_file="topology"),
+    Case("reserved-flag-config-file", "good-a3-2.yml", "topo-reserved-config.yml",
+         ("roles.decode.serve", "'config'", "reads more flags from a file"), at="decode:", at_file="topology"),
+    Case("serve-value-looks-like-a-flag", "good-a3-2.yml", "topo-serve-dash-value.yml",
+         ("roles.decode.serve", "'disable-log-stats'", "'--port=9'", "another flag"), at="decode:",
+         at_file="topology"),
+    # --- YAML that explodes or never ends --------------------------------------------------------------------------
+    Case("alias-bomb-topology", "good-a3-2.yml", "topo-alias-bomb.yml",
+         ("topo-alias-bomb.yml", "more than 100000 values", "aliases")),
+    Case("alias-bomb-inventory", "inv-alias-bomb.yml", "a3-pd", ("inv-alias-bomb.yml", "more than 100000 values")),
+    Case("alias-loop-inventory", "inv-alias-loop.yml", "a3-pd", ("used inside itself",), at="all: &all"),
+    Case("nested-too-deep", "inv-nested-too-deep.yml", "a3-pd", ("inv-nested-too-deep.yml", "nested too deeply")),
 ]
 
 COMMANDS = ("validate", "plan", "render")
 JSON_CASES = ("unknown-key-did-you-mean", "yaml-syntax", "a2-pd-on-two-a2-hosts", "reserved-flag-port",
-              "topology-did-you-mean", "proxy-port-in-kv-range", "removed-env", "share-zero")
+              "topology-did-you-mean", "proxy-port-in-kv-range", "removed-env", "share-zero", "dp-quoted",
+              "ipv6-ansible-host", "alias-bomb-topology", "reserved-flag-abbreviated")
 
 
 def _path(name: str) -> Path:
@@ -235,7 +339,9 @@ def resolve(inventory_factory):
     def run(case: Case) -> tuple[Path, str | None, Path | None]:
         inv = inventory_factory(case.inventory) if isinstance(case.inventory, dict) else _path(case.inventory)
         topo = case.topology
-        if topo is not None and topo.endswith(".yml"):
+        if isinstance(topo, dict):
+            topo = str(inventory_factory(topo, name="topology.yml"))
+        elif topo is not None and topo.endswith(".yml"):
             topo = str(_path(topo))
         located = inv if case.at_file == "inventory" else (Path(topo) if topo else None)
         return inv, topo, located
@@ -315,3 +421,195 @@ def test_bad_input_json_output_is_one_error_document(case: Case, command: str, r
 
 def test_json_ids_exist():
     assert set(JSON_CASES) <= {c.id for c in CASES}
+
+
+# --- issue 16 item 6: kimi_api_key_file is checked by validate and plan, not only by deploy ----------------------
+
+
+def _key_file(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A kimi_api_key_file that is wrong in one way, and the words the error must say."""
+    import os
+
+    path = tmp_path / "proxy-api-key"
+    if kind == "missing":
+        return path, "No such file or directory"
+    if kind == "directory":
+        path.mkdir()
+        return path, "not a regular file"
+    if kind == "fifo":  # reading it would block for ever
+        os.mkfifo(path, 0o600)
+        return path, "not a regular file"
+    path.write_text("" if kind == "empty" else "sk-test-key-1234\n")
+    path.chmod(0o644 if kind == "world-readable" else 0o600)
+    return path, {"empty": "is empty", "world-readable": "readable by others (mode 644)"}[kind]
+
+
+@pytest.mark.parametrize("command", ["validate", "plan"])
+@pytest.mark.parametrize("kind", ["missing", "directory", "fifo", "empty", "world-readable"])
+def test_api_key_file_is_checked_by_static_commands(tmp_path: Path, inventory_factory, kind: str,
+                                                    command: str) -> None:
+    key, why = _key_file(tmp_path, kind)
+    inv = inventory_factory(_inv({"kimi_api_key_file": str(key)}, {"a3-p": A3P, "a3-d": A3D}))
+    result = _invoke([command, "-i", str(inv), "--topology", "a3-pd"])
+    assert result.exit_code == EXIT_INVALID, result.output
+    assert f"{inv}:{_line_of(inv, 'kimi_api_key_file:')}: all.vars: kimi_api_key_file {key}" in result.stderr
+    assert why in result.stderr
+    assert result.stdout == ""
+
+
+# --- issue 16 item 7: no traceback for user error -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["file", "below-a-file"])
+def test_render_out_onto_a_file_exits_2_and_writes_nothing(tmp_path: Path, where: str) -> None:
+    target = tmp_path / "render-out"
+    target.write_text("not a directory\n")
+    out = target if where == "file" else target / "sub"
+    result = _invoke(["render", "-i", str(BAD / "good-a3-2.yml"), "--topology", "a3-pd", "--out", str(out)])
+    assert result.exit_code == EXIT_INVALID, result.output
+    assert f"--out {out}: {target} exists and is not a directory" in result.stderr
+    assert target.read_text() == "not a directory\n" and result.stdout == ""
+
+
+def test_logs_bundle_onto_a_directory_exits_2_before_collecting(tmp_path: Path, inventory_factory) -> None:
+    inv = inventory_factory(_inv({}, {"a3-p": {**A3P, "ansible_host": "127.0.0.1", "ansible_port": 9}}))
+    result = _invoke(["logs", "-i", str(inv), "--bundle", str(tmp_path)])
+    assert result.exit_code == EXIT_INVALID, result.output
+    assert f"{tmp_path} is a directory" in result.stderr and "collecting" not in result.stderr
+
+
+@pytest.mark.parametrize("variable", ["KIMICTL_STATE_DIR", "XDG_STATE_HOME"])
+def test_unwritable_state_dir_is_one_message_naming_it(tmp_path: Path, inventory_factory, monkeypatch,
+                                                       variable: str) -> None:
+    """preflight records its report in the state dir; here that is below a regular file."""
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    monkeypatch.delenv("KIMICTL_STATE_DIR", raising=False)
+    monkeypatch.setenv(variable, str(blocker / "state"))
+    inv = inventory_factory(_inv({"kimi_model_source": "local"},
+                                 {"a3-p": {**A3P, "ansible_host": "127.0.0.1", "ansible_port": 9}}))
+    result = _invoke(["preflight", "-i", str(inv), "--topology", "a3-colocated"])
+    assert result.exit_code == 1, result.output
+    base = blocker / "state" if variable == "KIMICTL_STATE_DIR" else blocker / "state" / "kimictl"
+    assert f"error: cannot use the control-node state directory {base}: Not a directory" in result.stderr
+    assert "KIMICTL_STATE_DIR" in result.stderr
+
+
+def test_unexpected_missing_file_is_an_operation_failure_not_invalid_input(monkeypatch, tmp_path: Path) -> None:
+    """A FileNotFoundError from deep inside an operation is exit 1 with its path (exit 2 promises bad input and
+    nothing changed); KIMICTL_DEBUG=1 lets its traceback through."""
+    import kimictl.render
+
+    def vanished(*_a, **_k):
+        raise FileNotFoundError(2, "No such file or directory", "/opt/kimictl/templates/engine.sh.j2")
+
+    monkeypatch.setattr(kimictl.render, "write_rendered", vanished)
+    args = ["render", "-i", str(BAD / "good-a3-2.yml"), "--topology", "a3-pd", "--out", str(tmp_path / "o")]
+    result = _invoke(args)
+    assert result.exit_code == 1, result.output
+    assert "error: the operation failed: No such file or directory: /opt/kimictl/templates/engine.sh.j2" \
+        in result.stderr
+    assert "KIMICTL_DEBUG=1" in result.stderr
+    monkeypatch.setenv("KIMICTL_DEBUG", "1")
+    result = CliRunner().invoke(app, args)
+    assert isinstance(result.exception, FileNotFoundError)
+
+
+@pytest.fixture(scope="module")
+def unreachable_hosts(tmp_path_factory):
+    """An inventory of hosts that fail to connect in different ways: a closed port, a server that answers with
+    garbage instead of an SSH banner, one that resets the connection, and a real SSH server (paramiko) with a
+    missing key file."""
+    import socket
+    import struct
+    import threading
+
+    import paramiko
+
+    stop = threading.Event()
+    listeners = []
+
+    def serve(address: str, handle) -> int:
+        s = socket.socket()
+        s.bind((address, 0))
+        s.listen(16)
+        s.settimeout(0.2)
+        listeners.append(s)
+
+        def loop() -> None:
+            while not stop.is_set():
+                try:
+                    conn, _ = s.accept()
+                except OSError:
+                    continue
+                try:
+                    handle(conn)
+                except (OSError, EOFError, paramiko.SSHException):  # the client gave up: its side is under test
+                    conn.close()
+
+        threading.Thread(target=loop, daemon=True).start()
+        return s.getsockname()[1]
+
+    def garbage(conn) -> None:
+        conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+        conn.close()
+
+    def reset(conn) -> None:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        conn.close()
+
+    host_key = paramiko.RSAKey.generate(2048)
+    transports = []
+
+    def ssh(conn) -> None:
+        t = paramiko.Transport(conn)
+        t.add_server_key(host_key)
+        t.start_server(server=paramiko.ServerInterface())
+        transports.append(t)
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    d = tmp_path_factory.mktemp("unreachable")
+    hosts = {
+        "h-closed": {"ansible_host": "127.0.0.1", "ansible_port": closed_port},
+        "h-garbage": {"ansible_host": "127.0.0.2", "ansible_port": serve("127.0.0.2", garbage)},
+        "h-reset": {"ansible_host": "127.0.0.3", "ansible_port": serve("127.0.0.3", reset)},
+        "h-keyfile": {"ansible_host": "127.0.0.4", "ansible_port": serve("127.0.0.4", ssh),
+                      "ansible_ssh_private_key_file": str(d / "missing_key"),
+                      "ansible_ssh_common_args": f"-o StrictHostKeyChecking=no -o UserKnownHostsFile={d}/kh"},
+    }
+    inv = d / "inventory.yml"
+    from tests.unit.conftest import write_yaml
+
+    write_yaml(inv, _inv({"kimi_model_source": "local"}, {h: {**v, "kimi_hardware": A3} for h, v in hosts.items()}))
+    yield inv, d
+    stop.set()
+    for t in transports:
+        t.close()
+    for s in listeners:
+        s.close()
+
+
+@pytest.mark.parametrize("command", [["status"], ["logs"], ["preflight", "--topology", "a3-pd"]])
+def test_unreachable_hosts_are_one_line_each_never_a_traceback(unreachable_hosts, command: list[str]) -> None:
+    import subprocess
+    import sys
+
+    inv, d = unreachable_hosts
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(d), "KIMICTL_STATE_DIR": str(d / "state")}
+    r = subprocess.run([sys.executable, "-m", "kimictl", command[0], "-i", str(inv), *command[1:]],
+                       check=False, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr and "paramiko" not in r.stderr, r.stderr
+    if command[0] == "preflight":
+        return  # one table row per host (SSH-001), checked by the preflight tests; no traceback is the point here
+    text = r.stdout if command[0] == "status" else r.stderr
+    lines = {h: [x for x in text.splitlines() if x.startswith(f"{h}: ") or x.startswith(f"error: {h}: ")]
+             for h in ("h-closed", "h-garbage", "h-reset", "h-keyfile")}
+    assert all(len(v) == 1 for v in lines.values()), text
+    assert "Connection refused" in lines["h-closed"][0]
+    assert "SSH protocol banner" in lines["h-garbage"][0]
+    assert "reset" in lines["h-reset"][0].lower()
+    assert f"cannot read {d}/missing_key: No such file or directory" in lines["h-keyfile"][0]

@@ -47,6 +47,7 @@ def test_valid_specs(spec, expected):
     ("port-taken:atlas-01:70000", "'70000'"),
     ("host-down:all", "'all'"),
     ("host-down", "missing host"),
+    ("npu-unhealthy:atlas-01:\u00b2", "'\u00b2'"),         # str.isdigit() says yes to a superscript two
 ])
 def test_bad_specs_name_the_bad_part(spec, bad_part):
     with pytest.raises(InvalidInput) as exc:

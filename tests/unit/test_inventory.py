@@ -89,3 +89,94 @@ def test_api_key_file_must_be_private_and_not_empty(tmp_path) -> None:
         read_secret_file(f, "all.vars.kimi_api_key_file")
     with pytest.raises(InvalidInput, match=r"all\.vars\.kimi_api_key_file .*/missing"):
         read_secret_file(tmp_path / "missing", "all.vars.kimi_api_key_file")
+
+
+SIBLINGS = """
+all:
+  vars: {kimi_cluster: c1, kimi_model_dir: /m, kimi_nic: eth0, kimi_hardware: atlas-800-a3}
+  children:
+    zeta:
+      vars: {kimi_nic: zeta0, ansible_user: zeta, kimi_engine_command: /opt/zeta}
+      hosts:
+        n1: {ansible_host: 10.1.0.1}
+        n3: {ansible_host: 10.1.0.3}
+    alpha:
+      vars: {kimi_nic: alpha0, ansible_user: alpha}
+      hosts:
+        n1:
+        n2: {ansible_host: 10.1.0.2}
+      children:
+        deep:
+          vars: {kimi_nic: deep0}
+          hosts:
+            n3:
+        shared:
+    bravo:
+      vars: {kimi_role: prefill, ansible_group_priority: 10, kimi_state_dir: /srv/bravo}
+      hosts:
+        n2:
+        n4: {ansible_host: 10.1.0.4}
+    charlie:
+      vars: {kimi_role: decode, kimi_state_dir: /srv/charlie}
+      hosts:
+        n2:
+        n4:
+shared:
+  vars: {kimi_nic: shared0, ansible_user: shared}
+  hosts:
+    n5: {ansible_host: 10.1.0.5}
+top:
+  vars: {kimi_engine_command: /opt/top}
+  children:
+    shared:
+"""
+
+
+def test_sibling_group_precedence_matches_ansible_inventory(tmp_path: Path) -> None:
+    """Groups at the same depth: higher ansible_group_priority wins, then the later name; a deeper group wins over
+    both; a group listed under two parents takes the deeper depth and both parents' vars. Checked against
+    ansible-inventory itself."""
+    import json
+    import subprocess
+    import sys
+
+    path = _write(tmp_path, SIBLINGS)
+    tool = Path(sys.executable).with_name("ansible-inventory")
+    out = subprocess.run([str(tool), "-i", str(path), "--list"], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
+                              "HOME": str(tmp_path)})
+    want = json.loads(out.stdout)["_meta"]["hostvars"]
+    inv = load_inventory(path)
+    got = {h.name: {**h.ansible_vars, **h.model_dump(exclude={"name", "ansible_vars"}, exclude_none=True)}
+           for h in inv.hosts}
+    keys = ("kimi_nic", "kimi_role", "kimi_state_dir", "kimi_engine_command", "ansible_user")
+    for host, hv in want.items():
+        for k in keys:
+            assert got[host].get(k) == hv.get(k, got[host].get(k) if k == "kimi_state_dir" else None), (host, k)
+    # the cases the inventory is built for, spelled out
+    assert (got["n1"]["kimi_nic"], got["n1"]["ansible_user"]) == ("zeta0", "zeta")      # name order: zeta last
+    assert (got["n2"]["kimi_role"], got["n2"]["kimi_state_dir"]) == ("prefill", "/srv/bravo")  # priority 10
+    assert got["n3"]["kimi_nic"] == "deep0"                                              # depth 2 beats depth 1
+    assert got["n4"]["kimi_role"] == "prefill"
+    assert (got["n5"]["kimi_nic"], got["n5"]["kimi_engine_command"]) == ("shared0", "/opt/top")  # two parents
+
+
+def test_group_priority_must_be_an_integer_and_cycles_are_errors(tmp_path: Path) -> None:
+    path = _write(tmp_path, """all:
+  vars: {kimi_cluster: c1, kimi_model_dir: /m, kimi_nic: eth0, kimi_hardware: atlas-800-a3}
+  children:
+    a:
+      vars: {ansible_group_priority: high}
+      hosts:
+        n1: {ansible_host: 10.1.0.1}
+      children:
+        b:
+b:
+  children:
+    a:
+""")
+    with pytest.raises(InventoryError) as err:
+        load_inventory(path)
+    text = err.value.render()
+    assert f"{path}:5: group a: ansible_group_priority must be an integer, got 'high'" in text
+    assert "is its own ancestor" in text

@@ -21,6 +21,7 @@ runner = CliRunner()
     (["up", "--hosts", "2", "--fault", "npu-unhealthy:atlas-03:1"], "'atlas-03'"),
     (["up", "--hosts", "1", "--hardware", "atlas-800-a2", "--fault", "link-down:atlas-01:8"], "'8'"),
     (["up", "--name", "Bad_Name"], "invalid --name"),
+    (["up", "--name", "kimi\n"], "invalid --name"),   # `$` alone accepts a trailing newline
     (["fault", "slow-link:atlas-01:fast"], "'fast'"),
 ])
 def test_invalid_input_exits_2_and_changes_nothing(tmp_path, args, needle):
