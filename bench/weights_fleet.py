@@ -468,39 +468,46 @@ def run_chain(p: Params, hosts: list[str], sizes: dict[str, int]) -> float:
             i += 1
         return hosts[i] if i < len(hosts) else None
 
-    def pump() -> None:
+    def pred(h: str) -> str | None:
+        i = hosts.index(h) - 1
+        while i >= 0 and hosts[i] in fleet.dead:
+            i -= 1
+        return hosts[i] if i >= 0 else None
+
+    def pump(*near: str) -> None:
+        """Start what the hosts around an event can start now (every host, when none is named)."""
         first = next((h for h in hosts if h not in fleet.dead), None)
         if first and into[first] is None and hub_next[0] < len(order):
             into[first] = HUB
             path = order[hub_next[0]]
             hub_next[0] += 1
             fleet.transfer(HUB, first, (path,), landed, failed, received)
-        for h in hosts:
+        for h in {x for n in near for x in (n, pred(n)) if x} if near else hosts:
             nxt = succ(h)
-            if h in fleet.dead or nxt is None or into[nxt] is not None or h in into.values():
+            if h in fleet.dead or nxt is None or into[nxt] is not None:
                 continue
-            todo = [x for x in have[h] if x not in got[nxt]]
+            todo = next((x for x in have[h] if x not in got[nxt]), None)
             if todo:
                 into[nxt] = h
-                fleet.transfer(h, nxt, (todo[0],), landed, failed, received)
+                fleet.transfer(h, nxt, (todo,), landed, failed, received)
 
     def received(h: str, path: str) -> None:
         got[h].add(path)
         into[h] = None
-        pump()
+        pump(h)
 
     def landed(h: str, path: str) -> None:
         have[h].append(path)
         if len(have[h]) == len(order):
             fleet.finished[h] = fleet.net.now
-        pump()
+        pump(h)
 
     def failed(h: str, path: str) -> None:
         if into[h] == HUB or (into[h] is None and all(x in fleet.dead for x in hosts[:hosts.index(h)])):
             hub_next[0] = min(hub_next[0], order.index(path))   # the hub sends it again to the first host
         got[h].discard(path)
         into[h] = None
-        pump()
+        pump(h)
 
     live = [h for h in hosts if not p.fail or h != p.fail[0]]
     if p.fail:
