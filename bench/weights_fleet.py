@@ -59,6 +59,7 @@ class Flow:
     since: float = 0.0               # when `left` was last brought up to date
     version: int = 0
     alive: bool = True
+    id: int = 0                      # creation order: ties are broken the same way in every run
 
 
 class Net:
@@ -94,7 +95,8 @@ class Net:
 
     def add(self, res: list[tuple[int, float]], units: float, done: Callable[[], None], cap: float | None = None,
             mark: float = -1.0, at_mark: Callable[[], None] | None = None) -> Flow:
-        f = Flow([(r, c) for r, c in res if c > 0], max(units, 0.0), cap, done, mark, at_mark, since=self.now)
+        f = Flow([(r, c) for r, c in res if c > 0], max(units, 0.0), cap, done, mark, at_mark, since=self.now,
+                 id=next(self.seq))
         if f.left <= 0:
             f.alive = False
             self.after(0.0, done)
@@ -169,8 +171,9 @@ class Net:
                                              (f, f.version, "mark")))
         return True
 
-    def _fill(self, phi: set[Flow]) -> list[Flow]:
+    def _fill(self, flows: set[Flow]) -> list[Flow]:
         """Progressive filling of phi's rates, every other flow's rate held; returns the flows that changed."""
+        phi = sorted(flows, key=lambda f: f.id)
         count: dict[int, float] = {}
         spare: dict[int, float] = {}
         users: dict[int, list[Flow]] = {}
@@ -375,7 +378,7 @@ class Fleet:
 
     def kill(self, host: str) -> None:
         self.dead.add(host)
-        for f in list(self.active[host]):
+        for f in sorted(self.active[host], key=lambda f: f.id):
             if f.alive:
                 self.net.remove(f)
                 self.net.after(0.0, f.done)   # its transfer sees the host gone and reports the failure
