@@ -7,15 +7,17 @@ flow-level model of a fleet.
 
 The rules:
 - Files no host holds are pulled from the hub once each, largest first, by at most `hub_streams` pulls across
-  the cluster (one per host). A few pulls at full speed, not one per host at a trickle: a file can be relayed
-  only once it has landed whole, so the hub's files must land early and steadily, not all at the end.
-- A hub pull goes to the host with the fewest files that nobody else holds: new files land all over the cluster,
-  so every host's uplink starts passing files on early and none becomes the one source of many. While it pulls,
-  a host takes at most `hub_peer_in` peer streams: the hub is the one source of new bytes, its stream keeps most
-  of the link.
+  the cluster (one per host, plus one in its last TAIL). A few pulls at full speed, not one per host at a
+  trickle: a file can be relayed only once it has landed whole, so the hub's files must land early and
+  steadily, not all at the end. The hub owes a file again only when no host holds it and no copy is on its way.
+- A hub pull goes to a host that lacks the file, the one with the fewest files nobody else holds: new files
+  land all over the cluster, so every host's uplink starts passing files on early and none becomes the one
+  source of many. While it pulls, a host takes at most `hub_peer_in` peer streams: the hub is the one source
+  of new bytes, its stream keeps most of the link.
 - Every verified file is at once a source for the others. A host with a free incoming stream takes the rarest
   file it lacks (fewest copies, held or on their way) that a holder with a free outgoing stream can send; the
-  hosts with the fewest bytes choose first, and the least busy holder sends. New files fan out like a tree.
+  hosts with the fewest bytes choose first, one stream each in turn, the least busy holder sends, and a holder
+  sends a given file to `fanout` hosts at a time. New files fan out like a tree.
 - At most `streams` peer transfers go into and out of each host. A stream frees its slot when its bytes are in
   (the receiver verifies while the next one moves) or when all but its last `TAIL` of bytes have moved, so the
   next stream's start-up overlaps the end of the last one. Small files from one holder share one stream, up to
