@@ -603,7 +603,7 @@ def calibrate(rate_mbit: int, size_mib: int, files: int) -> int:
     cores = os.cpu_count() or 1
     print(f"calibration on this machine: {cores} cores, 1-min load {load:.1f} before"
           + ("  (busy: the figures below are distorted; run it on a quiet machine)" if load > 1.5 else ""))
-    with ws.shaped(4, size_mib, files, rate_mbit) as c:
+    with ws.own_cpu_account(), ws.shaped(4, size_mib, files, rate_mbit) as c:
         a, b, h = c.hosts[0], c.hosts[1], c.hosts[2]
         cal, big = "/var/lib/kimi/cal", 64 << 20
         timed(a, f"mkdir -p {cal} && head -c 1 /dev/urandom > {cal}/tiny && head -c {big} /dev/urandom > {cal}/big",
@@ -661,12 +661,13 @@ def calibrate(rate_mbit: int, size_mib: int, files: int) -> int:
           f"(both shaped to {rate_mbit}); a peer transfer starts in {start_s * ms:.0f} ms ({start_cpu * ms:.0f} ms "
           f"CPU with the forced command's interpreter), a hub pull in {hub_start_s * ms:.0f} ms "
           f"({hub_start_cpu * ms:.0f} ms CPU); CPU per MiB moved: {cpu_peer * 2**20 * ms:.0f} ms peer to peer, "
-          f"{cpu_hub * 2**20 * ms:.0f} ms from the hub; sha256 {sha / 2**20:.0f} MiB/s on one core; peer key in "
+          f"{cpu_hub * 2**20 * ms:.0f} ms from the hub (CPU of the sandbox's processes); sha256 "
+          f"{sha / 2**20:.0f} MiB/s on one core; peer key in "
           f"place after {key_s:.1f} s; control node {ctl_cpu:.1f} CPU-s")
     print(f"real `weights pull`, 4 hosts, {len(sizes)} files, {size / 2**20:.0f} MiB: {t_real:.1f} s from the agents' "
           f"hello to the last host complete ({t_wall:.1f} s wall; this machine {cpu_pull:.0f} CPU-s busy)")
-    print(f"model with these parameters: {t_model:.1f} s ({t_free:.1f} s if CPU were free: the {cores} cores shared "
-          f"by every simulated host are the bottleneck)")
+    print(f"model with these parameters: {t_model:.1f} s ({t_free:.1f} s if the {cores} cores every simulated host "
+          f"shares were free)")
     print(f"calibration error {100 * (t_model - t_real) / t_real:+.0f}%")
     return 0
 
