@@ -417,6 +417,10 @@ class Sandbox:
                      *(f"addr add {ip}/16 dev {layout.DEVICE_NIC}" for ip in h.device_ips),
                      f"link set {layout.DEVICE_NIC} up"]
             system.run(["ip", "-n", str(h.netns), "-batch", "-"], input="\n".join(inner) + "\n")
+            # link-down removes one device IP; without this, removing the first (primary) one takes every
+            # other device IP of the subnet with it
+            system.run(["ip", "netns", "exec", str(h.netns), "sh", "-c",
+                        f"echo 1 > /proc/sys/net/ipv4/conf/{layout.DEVICE_NIC}/promote_secondaries"])
 
     def _launch(self, h: HostSpec, hs: HostState, state: SandboxState) -> None:
         """Start the host: sshd becomes PID 1 of fresh namespaces (netns) or runs under a subreaper."""
