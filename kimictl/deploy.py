@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kimictl import health, state
-from kimictl.errors import HostError, InvalidInput, KimictlError
+from kimictl.errors import HostError, InvalidInput, KimictlError, guide
 from kimictl.hostops import ROLLBACK_READY_TIMEOUT_S, Change, HostOps, Proc, compute_changes, desired_procs
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
@@ -82,7 +82,8 @@ class Deployer:
                                                     "temperature": 0}, api_key=self.ops.api_key)
         if code != 200 or not isinstance(body, dict) or not body.get("choices"):
             raise HostError(f"smoke completion through {url} failed: HTTP {code}: {health.body_text(body, 300)}",
-                            host=self.plan.proxy.host if self.plan.proxy else engines[0].host, step="smoke")
+                            host=self.plan.proxy.host if self.plan.proxy else engines[0].host, step="smoke",
+                            hint=guide("t-smoke"))
         after = {p.id: self.http.metric_totals(p.ip, p.port) for p in engines}
 
         def moved(role: str, metric: str) -> float:
@@ -96,7 +97,8 @@ class Deployer:
                 raise HostError("smoke completion did not go prefill -> decode (KV-transfer counters: prefill "
                                 f"{result['prefill_prompt_tokens']:.0f}, decode "
                                 f"{result['decode_external_prefix_cache_queries']:.0f}); a silent decode-only "
-                                "fallback is a failed deploy", host=self.plan.proxy.host, step="smoke")
+                                "fallback is a failed deploy", host=self.plan.proxy.host, step="smoke",
+                                hint=guide("t-no-kv"))
         else:
             result["generation_tokens"] = moved("colocated", health.GENERATION_COUNTER)
         return result

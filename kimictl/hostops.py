@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kimictl import health, remote
-from kimictl.errors import HostError
+from kimictl.errors import HostError, guide
 from kimictl.inventory import Inventory
 from kimictl.secret_file import proxy_admin_key, proxy_admin_key_path, proxy_api_key
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
@@ -302,7 +302,8 @@ class HostOps:
             if now > deadline:
                 p = next(iter(pending.values()))
                 raise HostError(f"{p.id} did not become ready within {deadline - t0:.0f}s", host=p.host,
-                                step="readiness", log_tail=self.log_tail(p.host, p.id))
+                                step="readiness", log_tail=self.log_tail(p.host, p.id),
+                                hint=f"still loading, or hung: {guide('t-readiness')}")
             time.sleep(0.3)
 
     def _check_crashes(self, procs: list[Proc]) -> None:
@@ -315,4 +316,5 @@ class HostOps:
                 raise HostError(f"{p.kind} {p.id} crashed during start-up (state {st.get('state')}, "
                                 f"restarts {st.get('restarts', 0)}, last exit: {exit_text(st.get('last_exit'))})",
                                 host=p.host,
-                                step="engines", log_tail=self.log_tail(p.host, p.id))
+                                step="engines", log_tail=self.log_tail(p.host, p.id),
+                                hint=f"the log tail's last ERROR line says why: {guide('t-engine-start')}")

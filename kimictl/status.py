@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kimictl import ascend, health
+from kimictl.errors import guide
 from kimictl.inventory import Inventory
 from kimictl.observe_up import monitoring_status
 from kimictl.secret_file import proxy_admin_key, proxy_api_key
@@ -177,4 +178,5 @@ def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: st
     ok = code == 200 and moved_p > 0 and moved_d > 0
     return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "ok" if ok else "failed",
             "detail": f"HTTP {code}; prefill prompt tokens +{moved_p:.0f}, decode external prefix cache +{moved_d:.0f}"
-            + ("" if code == 200 else f": {health.body_text(body)}")}
+            + ("" if code == 200 else f": {health.body_text(body)}"),
+            **({} if ok else {"hint": guide("t-pair-probe" if code != 200 else "t-no-kv")})}

@@ -170,6 +170,8 @@ def status_view(doc: dict) -> Group:
     for pair in doc["pairs"]:
         parts.append(Text(f"P/D pair probe: {pair['state']} - {pair.get('detail', '')}",
                           style="green" if pair["state"] == "ok" else "bold red"))
+        if pair.get("hint"):
+            parts.append(Text(f"hint: {pair['hint']}"))
     for d in doc["drift"]:
         parts.append(Text(f"drift: {d['host']} runs {d['current']}, recorded {d['recorded']}", style="yellow"))
     if mon := doc.get("monitoring"):

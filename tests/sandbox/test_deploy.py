@@ -97,6 +97,7 @@ def test_crashing_release_rolls_back_and_old_release_keeps_answering(deployed, t
     assert proc.returncode == 1
     assert "host atlas-02" in proc.stderr and "decode-0-dp" in proc.stderr
     assert "--- log tail ---" in proc.stderr and "engine_crash_at_start" in proc.stderr
+    assert "hint: the log tail's last ERROR line says why: docs/operators.md#t-engine-start" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert {n: s["tag"] for n, s in _supervised(deployed, "atlas-02").items()} == tags
     assert _complete(deployed, "still serving after the failed deploy")["choices"]

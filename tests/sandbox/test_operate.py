@@ -236,6 +236,7 @@ def test_start_failure_names_host_step_and_log_tail(deployed) -> None:
         assert "host atlas-02" in proc.stderr and "--- log tail ---" in proc.stderr
         assert "engine_crash_at_start" in proc.stderr and "Traceback" not in proc.stderr
         assert json.loads(proc.stdout)["error"]["type"] == "HostError"
+        assert json.loads(proc.stdout)["error"]["hint"].endswith("docs/operators.md#t-engine-start")
     finally:
         sb.fault("clear:all")
     assert ops("stop", "-i", str(sb.inventory), "--limit", "atlas-02", "--yes").returncode == 0
