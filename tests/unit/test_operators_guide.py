@@ -1,7 +1,7 @@
 """docs/operators.md and the README without hosts: every shell block is marked, every kimictl command names only
 flags its --help lists, the plan excerpts and the topology table match `kimictl plan`, the inventory examples
-validate, and every preflight check's fix points at its row of the guide (tests/sandbox/test_operators_guide.py
-runs the sandbox blocks)."""
+validate, and every preflight check's fix points at its row of the guide
+(tests/sandbox/test_operators_guide_run.py runs the sandbox blocks)."""
 
 from __future__ import annotations
 
