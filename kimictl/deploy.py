@@ -19,6 +19,7 @@ from kimictl.facts import engine_profile
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import Rendered, write_rendered
+from kimictl.router_kinds import proxy_ready
 from kimictl.secret_file import proxy_api_key
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 from kimictl.state import cached_manifest_bytes, control_dir, save_preflight
@@ -43,6 +44,7 @@ class Proc:
     port: int
     serves_http: bool
     role: str
+    router: str | None = None  # the proxy's router kind (data/routers.yml): how its readiness is judged
 
 
 @dataclass
@@ -92,9 +94,8 @@ def _sha(*texts: str) -> str:
 
 def process_tag(files: dict[str, str], pid: str) -> str:
     """A process's tag: the hash of exactly the release files it runs (its restart trigger)."""
-    if pid == "proxy":
-        return _sha(files["proxy/proxy.sh"])
-    return _sha(*(files[p] for p in sorted(files) if p.startswith(f"engines/{pid}.")))
+    prefix = "proxy/" if pid == "proxy" else f"engines/{pid}."
+    return _sha(*(files[p] for p in sorted(files) if p.startswith(prefix)))
 
 
 def desired_procs(rendered: Rendered, inv: Inventory) -> list[Proc]:
@@ -114,7 +115,7 @@ def desired_procs(rendered: Rendered, inv: Inventory) -> list[Proc]:
         sd = inv.host(host).kimi_state_dir
         out.append(Proc(host, "proxy", "proxy", process_tag(rendered.files[host], "proxy"),
                         ["bash", f"{sd}/releases/{rendered.releases[host]}/proxy/proxy.sh"],
-                        rendered.proxy.host, rendered.proxy.port, True, "proxy"))
+                        rendered.proxy.host, rendered.proxy.port, True, "proxy", plan.proxy.router))
     return out
 
 
@@ -221,8 +222,9 @@ class EngineOps:
             "proxy_host": proxy_host, "api_key_file": self.inv.cluster.kimi_api_key_file}, hosts)
 
     def ready(self, p: Proc) -> health.Ready:
-        return health.engine_ready(p.ip, p.port, self.served_model_name,
-                                   api_key=self.api_key if p.kind == "proxy" else None)
+        if p.kind == "proxy":
+            return proxy_ready(p.router, p.ip, p.port, self.served_model_name, api_key=self.api_key)
+        return health.engine_ready(p.ip, p.port, self.served_model_name)
 
     def _bundle(self, host: str) -> Path:
         """The host's rendered files as one tarball: one transfer instead of one per file."""
@@ -533,7 +535,8 @@ def change_diffs(inv: Inventory, rendered: Rendered, changes: list[Change]) -> d
             old_script = c.old["cmd"][-1] if c.old.get("cmd") else ""
             rel_dir = old_script.rsplit("/engines/", 1)[0] if "/engines/" in old_script else \
                 old_script.rsplit("/proxy/", 1)[0]
-            files = ([f"engines/{c.id}.env", f"engines/{c.id}.sh"] if c.id != "proxy" else ["proxy/proxy.sh"])
+            files = ([f"engines/{c.id}.env", f"engines/{c.id}.sh"] if c.id != "proxy" else
+                     sorted(p for p in rendered.files[name] if p.startswith("proxy/")))
             for rel in files:
                 texts[f"{c.id}|{rel}"] = s.run(f"cat {rel_dir}/{rel} 2>/dev/null || true").stdout
         return texts

@@ -210,6 +210,7 @@ class EngineProfile(Strict):
     env: dict[str, str] = Field(default_factory=dict)               # replaces the version profile's env
     kv_transfer: KvTransfer | None = None  # None: the version profile's connector (MooncakeConnectorV1)
     min_ready_timeout_s: float = 0.0       # floor for deploy's readiness wait (start-up dominated by imports)
+    router: str = "vllm-ascend-proxy"      # the P/D router (data/routers.yml) when the topology names none
 
     def facts(self) -> ModelFacts:
         return model_facts(self.model)

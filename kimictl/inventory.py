@@ -167,6 +167,11 @@ KEYS: dict[str, Key] = {
     "kimi_state_dir": Key("both", "kimictl state directory on the host, default /var/lib/kimi"),
     "kimi_engine_command": Key("both", "engine command replacing `vllm` (e.g. a simulator), default vllm"),
     "kimi_router_command": Key("both", "P/D router command on the proxy host, default vllm-router (pip package)"),
+    "kimi_proxy_script": Key("both", "proxy.router vllm-ascend-proxy on kimi_runtime host: path of vllm-ascend's "
+                                     "examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py on the "
+                                     "proxy host (container runtime: the image's copy)"),
+    "kimi_proxy_python": Key("both", "python3 command on the proxy host that has fastapi, httpx and uvicorn, for "
+                                     "kimi_proxy_script; default python3"),
     "kimi_hardware": Key("host", "atlas-800-a2 or atlas-800-a3 (required)"),
     "kimi_role": Key("host", "prefill or decode: pins the host to a role"),
     "kimi_device_ips": Key("host", "NPU device IPs, one per NPU"),
@@ -220,6 +225,8 @@ class Host(BaseModel):
     kimi_state_dir: KimiDir = "/var/lib/kimi"
     kimi_engine_command: Command | None = None
     kimi_router_command: Command | None = None
+    kimi_proxy_script: AbsPath | None = None
+    kimi_proxy_python: Command = "python3"
     ansible_vars: dict[str, Any] = Field(default_factory=dict, exclude=True)
 
     @property

@@ -24,6 +24,7 @@ from kimictl.facts import (
     version_profile,
 )
 from kimictl.inventory import Host, Inventory
+from kimictl.router_kinds import RouterKind, router_kind
 from kimictl.topology import Topology
 
 HCCL_DEFAULT_BUFFSIZE_MIB = 200  # HCCL's own default when HCCL_BUFFSIZE is unset
@@ -112,12 +113,13 @@ class ProxyPlan(_Model):
     host: str
     ip: str
     port: int
-    router: str
-    policy: str
+    router: str  # the router kind (data/routers.yml)
+    policy: str | None  # vllm-router's --policy; None for a router that schedules by itself
     prefill: list[Endpoint]
     decode: list[Endpoint]
     routers: list[RouterPort] = []  # loopback ports of the router copies behind the proxy port
     api_key: bool = False  # clients must send the inventory's kimi_api_key_file
+    router_why: str = ""  # why this router kind (printed by `kimictl plan`)
 
 
 class PortUse(_Model):
@@ -523,9 +525,11 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
             return [Endpoint(host=e.host, ip=e.host_ip, port=e.port, engine=e.id)
                     for e in engines if e.role == role and e.serves_http]
 
-        proxy = ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=topo.proxy.router,
-                          policy=topo.proxy.policy, prefill=endpoints("prefill"), decode=endpoints("decode"),
-                          routers=routers, api_key=inv.cluster.kimi_api_key_file is not None)
+        kind, why = _router_kind(inv, topo, prof, role_cfg, decisions, ver, phost)
+        proxy = ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=kind.name,
+                          policy=topo.proxy.policy or "round_robin" if kind.name == "vllm-router" else None,
+                          prefill=endpoints("prefill"), decode=endpoints("decode"), routers=routers,
+                          api_key=inv.cluster.kimi_api_key_file is not None, router_why=why)
 
     return Plan(
         cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,
@@ -535,6 +539,53 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         instances=instances, engines=engines, proxy=proxy, role_config=role_cfg, fits=fits, switches=decisions,
         ports=ports.uses, warnings=warnings,
     )
+
+
+def recompute_roles(role_cfg: dict[str, RoleConfig], decisions: list[SwitchDecision],
+                    ver: VersionProfile) -> list[str]:
+    """Roles whose engines end requests as "recomputed" for the proxy to replay: the recompute_scheduler switch,
+    or its additional-config key set directly (top level, or nested under scheduler_config as 0.26+ reads it)."""
+    spelling = ver.switches.get("recompute_scheduler")
+    key = spelling.additional_config if spelling else None
+    out = [d.role for d in decisions if d.switch == "recompute_scheduler" and d.state == "on"]
+    for role, cfg in role_cfg.items():
+        extra = cfg.additional_config
+        nested = extra.get("scheduler_config")
+        if key and (extra.get(key) or (isinstance(nested, dict) and nested.get(key))) and role not in out:
+            out.append(role)
+    return out
+
+
+def _router_kind(inv: Inventory, topo: Topology, prof: EngineProfile, role_cfg: dict[str, RoleConfig],
+                 decisions: list[SwitchDecision], ver: VersionProfile, phost: Host) -> tuple[RouterKind, str]:
+    """The P/D router kind and why; PlanError for a combination that cannot work."""
+    assert topo.proxy is not None
+    kind = router_kind(topo.proxy.router or prof.router)
+    source = "topology proxy.router" if topo.proxy.router else f"engine profile {prof.name}'s default"
+    why = f"{kind.name} ({source}): {kind.why}"
+    if kind.name == "vllm-router":
+        roles = recompute_roles(role_cfg, decisions, ver)
+        if roles:
+            raise PlanError(
+                f"{', '.join(roles)}: switch recompute_scheduler is on, but proxy.router vllm-router does not replay "
+                "requests a decode engine ends as \"recomputed\" when its KV cache runs out: clients would get "
+                "truncated answers",
+                details=["vllm-ascend's RecomputeScheduler ends the request with stop_reason \"recomputed\" and "
+                         "leaves the replay to the P/D proxy; vllm-router passes that ending to the client"],
+                hint="use proxy.router: vllm-ascend-proxy (the default for vLLM-Ascend; it replays them), or turn "
+                     f"recompute off (roles.{roles[0]}.switches.recompute_scheduler: false, and no "
+                     "recompute_scheduler_enable in its additional-config)")
+    elif topo.proxy.policy:
+        raise PlanError(f"proxy.policy {topo.proxy.policy} is vllm-router's; proxy.router {kind.name} picks engines "
+                        "by its own load score", hint="remove proxy.policy, or use proxy.router: vllm-router")
+    if kind.script and inv.cluster.kimi_runtime == "host" and not phost.kimi_proxy_script:
+        raise PlanError(
+            f"proxy.router {kind.name} on kimi_runtime host needs kimi_proxy_script on {phost.name}: the path of "
+            f"{kind.script.rsplit('/', 1)[-1]} on the proxy host",
+            hint=f"install vllm-ascend's source tree on the proxy host and set kimi_proxy_script to "
+                 f"<tree>/{kind.script} (and kimi_proxy_python to a python3 with "
+                 f"{', '.join(kind.python_modules)}); or kimi_runtime: container (it runs from the image)")
+    return kind, why
 
 
 def fit_lines(fit: MemoryFit) -> list[str]:

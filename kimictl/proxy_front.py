@@ -117,10 +117,12 @@ class Upstream:
 
 
 class Router:
-    def __init__(self, index, port, metrics_port, argv):
+    def __init__(self, index, port, metrics_port, argv, metrics_flag="--prometheus-port"):
         self.index, self.port, self.metrics_port = index, port, metrics_port
         # argparse takes the last of a repeated flag: these override whatever the rendered command says.
-        self.argv = [*argv, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port)]
+        self.argv = [*argv, "--host", "127.0.0.1", "--port", str(port)]
+        if metrics_flag:
+            self.argv += [metrics_flag, str(metrics_port)]
         self.proc = None
         self.state = "stopped"
         self.accepting = False
@@ -140,7 +142,9 @@ class Router:
 class Front:
     def __init__(self, args, argv):
         self.args = args
-        self.routers = [Router(i, p, m, argv) for i, (p, m) in enumerate(args.router)]
+        metrics_flag = None if args.no_router_metrics else "--prometheus-port"
+        self.routers = [Router(i, p, m, argv, metrics_flag) for i, (p, m) in enumerate(args.router)]
+        self.health = args.router_health.encode()
         self.rr = 0
         self.stopping = False
         self.requested = 0  # SIGHUPs seen
@@ -167,7 +171,7 @@ class Front:
         except (OSError, asyncio.TimeoutError):
             return False
         try:
-            writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            writer.write(b"GET " + self.health + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             line = await asyncio.wait_for(reader.readline(), 3)
             return line.split(b" ")[1:2] == [b"200"]
         except (OSError, asyncio.TimeoutError, IndexError):
@@ -343,6 +347,8 @@ class Front:
                     cwriter.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = await creader.readexactly(req.length) if req.length else b""
                 index, target = req.target_router()
+                if index is None and target.partition(b"?")[0] == b"/health":
+                    target = self.health  # the proxy port's /health is the router's own health check
                 data = req.encode(target) + body
                 for attempt in (1, 2):
                     if up and (up.index != index or up.reader.at_eof()):
@@ -523,6 +529,10 @@ def parser():
                      help="PORT:METRICS_PORT of one router on loopback (repeat)")
     run.add_argument("--state", required=True, help="JSON file this front keeps its state in")
     run.add_argument("--api-key-file", help="clients must send this key (re-read when the file changes)")
+    run.add_argument("--router-health", default="/health",
+                     help="the routers' health path: the front's checks of its copies, and what /health asks")
+    run.add_argument("--no-router-metrics", action="store_true",
+                     help="the router has no metrics port (no --prometheus-port is passed)")
     run.add_argument("--grace", type=float, default=60.0, help="SIGTERM to SIGKILL for a router")
     run.add_argument("--ready-timeout", type=float, default=600.0, help="a restarted router must answer by then")
     run.add_argument("--connect-wait", type=float, default=30.0,

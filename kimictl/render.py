@@ -16,6 +16,7 @@ from kimictl.facts import engine_profile, hardware_catalogue, version_profile
 from kimictl.inventory import Inventory
 from kimictl.plan import Engine, Plan
 from kimictl.resources import templates_dir
+from kimictl.router_kinds import router_kind
 from kimictl.topology import Topology
 
 RENDER_SCHEMA_VERSION = 1
@@ -23,6 +24,8 @@ RENDER_SCHEMA_VERSION = 1
 PROXY_FRONT = "bin/proxy_front.py"
 PROXY_FRONT_STATE = "run/proxy-front/state.json"
 PROXY_API_KEY = "secrets/proxy-api-key"
+# Next to proxy.sh in a release: runs a router copy's command inside the engines' image (container runtime).
+PROXY_CONTAINER_SCRIPT = "router.container.sh"
 ASCEND_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
 # Host paths the vllm-ascend docs bind into every container (vllm-ascend.md §2), read-only.
 ASCEND_MOUNTS = (
@@ -218,16 +221,29 @@ def container_spec(plan: Plan, inv: Inventory, e: Engine) -> dict[str, Any]:
 
 
 def proxy_argv(plan: Plan, inv: Inventory) -> list[str]:
-    """One router copy's command; the proxy front gives each copy its loopback --host/--port/--prometheus-port."""
+    """One router copy's command, per router kind (data/routers.yml), one entry per DP-rank endpoint; the proxy
+    front appends each copy's loopback --host/--port (and metrics port flag, for a kind that has one)."""
     p = plan.proxy
     assert p is not None
-    router = shlex.split(inv.host(p.host).kimi_router_command or "vllm-router")
-    argv = [*router, "--policy", p.policy, "--vllm-pd-disaggregation"]
-    for ep in p.prefill:
-        argv += ["--prefill", f"http://{ep.ip}:{ep.port}"]
-    for ep in p.decode:
-        argv += ["--decode", f"http://{ep.ip}:{ep.port}"]
-    return argv
+    host = inv.host(p.host)
+    kind = router_kind(p.router)
+    if kind.name == "vllm-router":
+        argv = [*shlex.split(host.kimi_router_command or "vllm-router"), "--policy", str(p.policy),
+                "--vllm-pd-disaggregation"]
+        for ep in p.prefill:
+            argv += ["--prefill", f"http://{ep.ip}:{ep.port}"]
+        for ep in p.decode:
+            argv += ["--decode", f"http://{ep.ip}:{ep.port}"]
+        return argv + kind.args
+    if plan.runtime == "container":  # the script in the engines' image (same version), run by router.container.sh
+        cmd = ["bash", f"./{PROXY_CONTAINER_SCRIPT}", "python3", kind.image_script]
+    else:
+        assert host.kimi_proxy_script, "the planner requires kimi_proxy_script on kimi_runtime host"
+        cmd = [*shlex.split(host.kimi_proxy_python), host.kimi_proxy_script]
+    return [*cmd,
+            "--prefiller-hosts", *(ep.ip for ep in p.prefill), "--prefiller-ports", *(str(ep.port) for ep in p.prefill),
+            "--decoder-hosts", *(ep.ip for ep in p.decode), "--decoder-ports", *(str(ep.port) for ep in p.decode),
+            *kind.args]
 
 
 def front_argv(plan: Plan, inv: Inventory) -> list[str]:
@@ -235,10 +251,15 @@ def front_argv(plan: Plan, inv: Inventory) -> list[str]:
     p = plan.proxy
     assert p is not None
     sd = inv.host(p.host).kimi_state_dir
+    kind = router_kind(p.router)
     argv = ["python3", f"{sd}/{PROXY_FRONT}", "run", "--listen", f"0.0.0.0:{p.port}", "--state",
             f"{sd}/{PROXY_FRONT_STATE}"]
     for r in p.routers:
         argv += ["--router", f"{r.port}:{r.metrics_port}"]
+    if kind.health_path != "/health":  # the front's checks of its copies, and what the proxy port's /health asks
+        argv += ["--router-health", kind.health_path]
+    if kind.metrics_flag is None:
+        argv += ["--no-router-metrics"]
     if p.api_key:
         argv += ["--api-key-file", f"{sd}/{PROXY_API_KEY}"]
     return [*argv, "--", *proxy_argv(plan, inv)]
@@ -312,8 +333,12 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             prefill=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.prefill],
             decode=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.decode], argv=proxy_argv(plan, inv),
             routers=[r.model_dump() for r in p.routers], api_key=p.api_key)
-        files[p.host]["proxy/proxy.sh"] = render_template("proxy.sh.j2", plan=plan, proxy=p,
+        kind = router_kind(p.router)
+        files[p.host]["proxy/proxy.sh"] = render_template("proxy.sh.j2", plan=plan, proxy=p, kind=kind,
                                                           argv=front_argv(plan, inv))
+        if kind.image_root and plan.runtime == "container":
+            files[p.host][f"proxy/{PROXY_CONTAINER_SCRIPT}"] = render_template(
+                "router.container.sh.j2", plan=plan, proxy=p, container=f"kimi-{plan.cluster}-proxy-copy")
 
     releases: dict[str, str] = {}
     for host, out in files.items():
@@ -330,7 +355,7 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             ],
             "proxy": None if not (plan.proxy and plan.proxy.host == host) else
             {"port": plan.proxy.port, "command": ["bash", "proxy/proxy.sh"], "routers": len(plan.proxy.routers),
-             "api_key": plan.proxy.api_key},
+             "api_key": plan.proxy.api_key, "router": plan.proxy.router},
         }
         out["manifest.json"] = render_template("manifest.json.j2", manifest=manifest)
     return Rendered(plan=plan, engines=engines, proxy=proxy, files=files, releases=releases)

@@ -9,6 +9,7 @@ from typing import Any
 
 from kimictl import ascend, health
 from kimictl.inventory import Inventory
+from kimictl.router_kinds import proxy_ready
 from kimictl.secret_file import proxy_api_key
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import control_dir
@@ -89,14 +90,15 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
             sup = got["supervised"].get("proxy")
             proxy = {"host": h.name, "ip": h.ip, "port": man["proxy"]["port"],
                      "routers": int(man["proxy"].get("routers", 0)),
+                     "router": man["proxy"].get("router") or "vllm-router",  # releases before router kinds
                      "state": "stopped" if sup is None else _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")}
 
     def readiness(row: dict[str, Any]) -> None:
         if row["state"] == "starting" and row.get("serves_http", True):
-            ok = health.engine_ready(row["ip"], row["port"], served or "", timeout=3,
-                                     api_key=api_key if row is proxy else None).ok
+            ok = (proxy_ready(row["router"], row["ip"], row["port"], served or "", timeout=3, api_key=api_key)
+                  if row is proxy else health.engine_ready(row["ip"], row["port"], served or "", timeout=3)).ok
             row["state"] = "ready" if ok else "starting"
-            if ok:
+            if ok and row is not proxy:  # engines' vLLM metrics; the proxy port has none of its own
                 row["metrics"] = _engine_metrics(row["ip"], row["port"])
         elif row["state"] == "starting":
             row["state"] = "ready"  # headless internal-DP workers have no HTTP; alive under the supervisor

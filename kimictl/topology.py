@@ -74,10 +74,15 @@ class Ports(_Strict):
                                 description="first kv_port; default the hardware minimum (A2 28000, A3 36000)")
 
 
+RouterKind = Literal["vllm-ascend-proxy", "vllm-router"]  # kimictl/data/routers.yml
+
+
 class Proxy(_Strict):
-    router: Literal["vllm-router"] = "vllm-router"
+    router: RouterKind | None = Field(None, description="the P/D router behind kimictl's front (data/routers.yml); "
+                                                        "default the engine profile's (ascend: vllm-ascend-proxy)")
     port: int = Field(8000, ge=1024, le=65535)
-    policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"
+    policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] | None = Field(
+        None, description="vllm-router's --policy (default round_robin); vllm-ascend-proxy schedules by load itself")
     routers: int = Field(2, ge=1, le=4, description="router copies behind the proxy port; with 2 or more a router "
                                                     "restart (re-adding drained workers) never refuses a client")
     router_port_base: int | None = Field(None, ge=1024, le=65000,

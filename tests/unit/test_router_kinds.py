@@ -1,0 +1,141 @@
+"""Router kinds: the planner's choice and refusals, each kind's rendered argv, the front's per-kind flags."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shlex
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kimictl.errors import PlanError
+from kimictl.inventory import load_inventory
+from kimictl.plan import make_plan
+from kimictl.render import render
+from kimictl.router_kinds import router_kinds
+from kimictl.topology import Proxy, Topology, load_topology
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = "examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py"
+
+
+def _inv(tmp_path: Path, **all_vars) -> Path:
+    text = (ROOT / "inventories" / "a3-pd.yml").read_text()
+    doc = yaml.safe_load(text)
+    doc["all"]["vars"].update(all_vars)
+    path = tmp_path / "inv.yml"
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+def _topo(**proxy) -> Topology:
+    t = load_topology("a3-pd")
+    return t.model_copy(update={"proxy": Proxy(**{"port": 8000, **proxy})})
+
+
+def _plan_render(tmp_path: Path, topo: Topology | None = None, **all_vars):
+    inv = load_inventory(_inv(tmp_path, **all_vars))
+    topo = topo or load_topology("a3-pd")
+    plan = make_plan(inv, topo)
+    return plan, render(plan, inv, topo)
+
+
+def _front_and_router(rendered) -> tuple[list[str], list[str]]:
+    script = rendered.files["a3-node-01"]["proxy/proxy.sh"]
+    argv = shlex.split(script.split("exec ", 1)[1].replace("\\\n", " "))
+    return argv[:argv.index("--")], argv[argv.index("--") + 1:]
+
+
+def _values(argv: list[str], flag: str) -> list[str]:
+    return list(itertools.takewhile(lambda a: not a.startswith("--"), argv[argv.index(flag) + 1:]))
+
+
+def test_the_topology_names_exactly_the_kinds_in_the_data() -> None:
+    assert set(typing.get_args(typing.get_args(Proxy.model_fields["router"].annotation)[0])) == set(router_kinds())
+
+
+def test_ascend_profile_defaults_to_the_upstream_proxy_run_from_the_engines_image(tmp_path: Path) -> None:
+    plan, r = _plan_render(tmp_path)
+    assert plan.proxy.router == "vllm-ascend-proxy" and plan.proxy.policy is None
+    assert "engine profile ascend's default" in plan.proxy.router_why and "recomputed" in plan.proxy.router_why
+    doc = r.contract()["proxy"]
+    assert doc["router"] == "vllm-ascend-proxy"
+    assert doc["argv"][:4] == ["bash", "./router.container.sh", "python3", f"/vllm-workspace/vllm-ascend/{SCRIPT}"]
+    # one host/port pair per DP-rank endpoint: 2 prefill ranks on node 1, 4 decode ranks on node 2
+    argv = doc["argv"]
+    assert _values(argv, "--prefiller-hosts") == ["192.168.10.11"] * 2
+    assert _values(argv, "--prefiller-ports") == ["7100", "7101"]
+    assert _values(argv, "--decoder-hosts") == ["192.168.10.12"] * 4
+    assert _values(argv, "--decoder-ports") == ["7100", "7101", "7102", "7103"]
+    assert argv[argv.index("--waiting-retry-interval") + 1] == "1" and "--workers" not in argv
+    front, router = _front_and_router(r)
+    assert router == argv
+    assert front[front.index("--router-health") + 1] == "/healthcheck" and "--no-router-metrics" in front
+    files = r.files["a3-node-01"]
+    assert 'cd "$(dirname "${BASH_SOURCE[0]}")"' in files["proxy/proxy.sh"]
+    wrapper = files["proxy/router.container.sh"]
+    assert f"{plan.image}" in wrapper and "--env OPENAI_API_KEY" in wrapper and "--net=host" in wrapper
+    manifest = json.loads(files["manifest.json"])
+    assert manifest["proxy"]["router"] == "vllm-ascend-proxy"
+
+
+def test_host_runtime_runs_the_script_the_inventory_names_and_refuses_without_it(tmp_path: Path) -> None:
+    script = f"/opt/vllm-ascend/{SCRIPT}"
+    _, r = _plan_render(tmp_path, kimi_runtime="host", kimi_proxy_script=script,
+                           kimi_proxy_python="env PYTHONPATH=/opt/pydeps /usr/bin/python3")
+    argv = r.contract()["proxy"]["argv"]
+    assert argv[:4] == ["env", "PYTHONPATH=/opt/pydeps", "/usr/bin/python3", script]
+    assert "proxy/router.container.sh" not in r.files["a3-node-01"]
+    assert "cd " not in r.files["a3-node-01"]["proxy/proxy.sh"]
+    with pytest.raises(PlanError) as exc:
+        _plan_render(tmp_path, kimi_runtime="host")
+    assert "kimi_proxy_script" in exc.value.message and "a3-node-01" in exc.value.message
+    assert "kimi_runtime: container" in exc.value.hint
+
+
+def test_vllm_router_keeps_its_argv_and_the_front_its_defaults(tmp_path: Path) -> None:
+    topo = _topo(router="vllm-router").model_copy(update={"roles": {
+        **load_topology("a3-pd").roles,
+        "decode": load_topology("a3-pd").roles["decode"].model_copy(update={"switches": {"mlapo": True}})}})
+    plan, r = _plan_render(tmp_path, topo)
+    assert plan.proxy.router == "vllm-router" and plan.proxy.policy == "round_robin"
+    assert "topology proxy.router" in plan.proxy.router_why
+    front, router = _front_and_router(r)
+    assert router[:4] == ["vllm-router", "--policy", "round_robin", "--vllm-pd-disaggregation"]
+    assert [v for k, v in itertools.pairwise(router) if k == "--decode"] == [
+        f"http://192.168.10.12:{p}" for p in range(7100, 7104)]
+    assert "--router-health" not in front and "--no-router-metrics" not in front
+    assert "proxy/router.container.sh" not in r.files["a3-node-01"]
+
+
+def test_vllm_router_with_recompute_is_refused_naming_the_switch_and_both_ways_out(tmp_path: Path) -> None:
+    with pytest.raises(PlanError) as exc:
+        _plan_render(tmp_path, _topo(router="vllm-router"))
+    e = exc.value
+    assert e.code == 2 and "recompute_scheduler" in e.message and "decode" in e.message
+    assert "proxy.router: vllm-ascend-proxy" in e.hint and "recompute_scheduler: false" in e.hint
+    # the raw additional-config key turns recompute on just the same
+    base = load_topology("a3-pd")
+    raw = base.roles["decode"].model_copy(update={
+        "switches": {}, "serve": {"additional-config": {"recompute_scheduler_enable": True}}})
+    with pytest.raises(PlanError, match="recompute"):
+        _plan_render(tmp_path, _topo(router="vllm-router").model_copy(update={"roles": {**base.roles, "decode": raw}}))
+
+
+def test_a_policy_with_the_upstream_proxy_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(PlanError) as exc:
+        _plan_render(tmp_path, _topo(policy="random"))
+    assert "proxy.policy" in exc.value.message and "vllm-router" in exc.value.hint
+
+
+def test_the_proxy_tag_covers_every_file_the_proxy_runs(tmp_path: Path) -> None:
+    from kimictl.deploy import process_tag
+
+    _, r = _plan_render(tmp_path)
+    files = dict(r.files["a3-node-01"])
+    before = process_tag(files, "proxy")
+    files["proxy/router.container.sh"] += "# changed\n"
+    assert process_tag(files, "proxy") != before
