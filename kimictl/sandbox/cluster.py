@@ -34,7 +34,7 @@ CLUSTER_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 # the fake hosts mount over these, so the sandbox directory must not live below them
 FORBIDDEN_DIR_PARENTS = ("/var/lib", "/opt", "/usr/local", "/etc", "/run", "/root", "/proc", "/sys", "/dev")
 PRIVATE_DIRS = ("/var/lib", "/opt", "/usr/local", "/etc")
-SINGLE_VALUED = ("driver-mismatch", "small-disk", "slow-link")
+SINGLE_VALUED = ("driver-mismatch", "small-disk", "slow-link", "kv-pressure")
 READY_TIMEOUT = 20.0
 PKG_DIR = Path(__file__).resolve().parent
 
@@ -713,7 +713,7 @@ class Sandbox:
             self._take_port(state, hs, int(f.arg or 0))
         elif f.kind == "engine-crash":
             state.spare_tags[h.name] = self._running_tags(state, h)
-        elif f.kind in ("npu-unhealthy", "engine-crash", "engine-hang"):
+        elif f.kind in ("npu-unhealthy", "engine-crash", "engine-hang", "kv-pressure"):
             pass   # faults.json only: the doubles and the engine simulator read it on every call
 
     def _clear(self, state: SandboxState, target: str) -> None:
