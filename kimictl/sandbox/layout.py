@@ -14,6 +14,7 @@ SIM_DIR = "/var/lib/kimi-sim"
 MODEL_DIR = "/var/lib/kimi/models/Kimi-K2.5-W4A8"
 MODELS_PARENT = "/var/lib/kimi/models"
 ENGINE_COMMAND = "/opt/kimi-sim/bin/vllm"
+VLLM_ASCEND_TREE = "/opt/vllm-ascend"   # where hosts have vllm-ascend's source tree (its P/D proxy script)
 NPU_SMI_PATH = "/usr/local/bin/npu-smi"
 ASCEND_ROOT = "/usr/local/Ascend"
 HCCN_TOOL_PATH = f"{ASCEND_ROOT}/driver/tools/hccn_tool"
