@@ -247,7 +247,8 @@ class EngineOps:
         prof = engine_profile(self.inv.cluster.kimi_engine_profile)
         # Real K2.5 loads take ~10 min; size the wait to the checkpoint (>= 0.5 GiB/s) plus start-up, and never
         # below the profile's floor (a CPU engine's start-up is imports and compilation, not bytes).
-        return max(prof.min_ready_timeout_s, 180.0 + (size or prof.facts().total_bytes) / (0.5 * 2**30))
+        size = size or prof.facts(self.inv.cluster.kimi_model_id).total_bytes
+        return max(prof.min_ready_timeout_s, 180.0 + size / (0.5 * 2**30))
 
     def _supervisor_states(self, hosts: list[str]) -> dict[str, dict[str, dict[str, Any]]]:
         sub = self.inv.limited(hosts)

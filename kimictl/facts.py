@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,7 +82,7 @@ class QuantBytes(Strict):
 
 class ModelFacts(Strict):
     name: str
-    model_id: str
+    model_id: str                # hub id; kimi_model_id selects these facts by it (case-insensitively)
     served_model_name: str
     text: TextConfig
     vision: VisionConfig
@@ -91,7 +92,7 @@ class ModelFacts(Strict):
     runtime_reserve_mib: int
     hccl_buffers: int
     activation_bytes_per_token: int
-    draft_model_gib: float
+    drafts: dict[str, float]     # speculative method -> draft checkpoint GiB per NPU (estimate)
 
     @functools.cached_property
     def parts(self) -> dict[str, int]:
@@ -149,14 +150,28 @@ REPLICATED_PARTS = ("router", "vision", "projector")  # vision runs data-paralle
 
 class SwitchSpelling(Strict):
     env: str | None = None
-    additional_config: str | None = None
+    additional_config: str | None = None  # a key; "a.b" nests: {"a": {"b": value}} (scheduler_config from 0.26)
     value: Any                 # what "on" is spelled as
     off_value: Any = None      # what an explicit "off" is spelled as; None = leave unset
 
 
 class Compat(Strict):
     cann: list[str]
-    driver_min: str
+    driver_min: str                      # preflight fails below it (VER-001)
+    driver_validated: str | None = None  # the HDK upstream validates this release with; preflight warns below it
+
+
+_VERSION = re.compile(r"^v?(\d+(?:\.\d+)*)(?:(a|b|rc)(\d+))?(?:\.post(\d+))?$")
+
+
+def version_key(v: str) -> tuple:
+    """Order vllm-ascend versions: 0.26.0rc1 < 0.26.0 < 0.26.0.post1 (PEP 440 subset); unparsable sorts first."""
+    m = _VERSION.match(v.strip())
+    if not m:
+        return ((), (-1, 0), 0)
+    nums = tuple(int(x) for x in m.group(1).split("."))
+    pre = ({"a": 0, "b": 1, "rc": 2}[m.group(2)], int(m.group(3))) if m.group(2) else (3, 0)
+    return (nums, pre, int(m.group(4) or 0))
 
 
 class CheckSpec(Strict):
@@ -168,6 +183,7 @@ class CheckSpec(Strict):
 
 class VersionProfile(Strict):
     version: str
+    upstream: str | None = None  # the PyPI release this profile was checked against (also accepted as its name)
     image_tag: str
     image_repo: str
     vllm: str
@@ -182,9 +198,25 @@ class VersionProfile(Strict):
     env_prepend: dict[str, str] = Field(default_factory=dict)
     removed_env: dict[str, str] = Field(default_factory=dict)
     removed_additional_config: dict[str, str] = Field(default_factory=dict)
+    # Keys this release's AscendConfig reads (tests check them against its source); None: not recorded.
+    additional_config_keys: list[str] | None = None
+    scheduler_config_keys: list[str] | None = None   # under additional_config.scheduler_config (0.26+)
+    strict_additional_config: bool = False           # unknown keys fail start-up (extra="forbid", 0.28+)
+    # Serve flag values this release's vLLM does not take (removed from renders, with a plan warning).
+    drop_serve: dict[str, list[Any]] = Field(default_factory=dict)
+    # Libraries preloaded when present where the engine runs (the image installs them; e.g. jemalloc).
+    preload: list[str] = Field(default_factory=list)
 
     def image(self, hw: Hardware) -> str:
         return f"{self.image_repo}:{self.image_tag}{hw.image_suffix}"
+
+    @property
+    def prerelease(self) -> bool:
+        return version_key(self.version)[1][0] < 3
+
+    def names(self) -> set[str]:
+        """Strings that name this profile in kimi_vllm_ascend_version (without a leading v)."""
+        return {self.version, self.image_tag.lstrip("v"), *([self.upstream] if self.upstream else [])}
 
 
 class KvTransfer(Strict):
@@ -204,7 +236,7 @@ class EngineProfile(Strict):
     serve_args: list[str]        # after the command, before kimictl's flags; "{model_dir}" is kimi_model_dir
     ascend: bool                 # Ascend env, version env/env_prepend, switches and additional-config apply
     runtime: Literal["container", "host"] | None = None  # required kimi_runtime, if any
-    model: str | None = None     # models/<model>.yml instead of model.yml (Kimi K2.5 W4A8)
+    model: str | None = None     # models/<model>.yml whatever kimi_model_id says (else kimi_model_id picks)
     serve: dict[str, Any] = Field(default_factory=dict)             # overlaid on the topology's serve flags
     drop_serve: dict[str, list[Any]] = Field(default_factory=dict)  # flag: values removed (with a warning)
     env: dict[str, str] = Field(default_factory=dict)               # replaces the version profile's env
@@ -212,8 +244,18 @@ class EngineProfile(Strict):
     min_ready_timeout_s: float = 0.0       # floor for deploy's readiness wait (start-up dominated by imports)
     router: str = "vllm-ascend-proxy"      # the P/D router (data/routers.yml) when the topology names none
 
-    def facts(self) -> ModelFacts:
-        return model_facts(self.model)
+    def facts(self, model_id: str | None = None) -> ModelFacts:
+        """The profile's own model, else the facts kimi_model_id names (Kimi K2.5 W4A8 when unknown)."""
+        if self.model:
+            return model_facts(self.model)
+        return (find_model(model_id) if model_id else None) or model_facts()
+
+
+class AutoSwitch(Strict):
+    """When the planner turns a switch on by itself (the topology does not mention it)."""
+
+    unless_off: str | None = None        # ...unless the topology turns this other switch off
+    max_batched_tokens: int | None = None  # ...and only when --max-num-batched-tokens is at most this
 
 
 class SwitchRule(Strict):
@@ -223,6 +265,9 @@ class SwitchRule(Strict):
     max_ep: int | None = None
     min_tp: int | None = None
     off_note: str | None = None
+    auto: AutoSwitch | None = None
+    min_hccl_buffsize_mib: int | None = None  # on: warn when HCCL_BUFFSIZE is below it
+    unavailable_note: str | None = None  # set: a version without the switch warns with this instead of failing
 
 
 def _load(path: Path) -> Any:
@@ -235,15 +280,50 @@ def hardware_catalogue() -> dict[str, Hardware]:
     return {k: Hardware(name=k, **v) for k, v in _load(DATA_DIR / "hardware.yml").items()}
 
 
+DEFAULT_MODEL = "kimi-k2.5-w4a8"
+
+
+def _model_doc(name: str) -> dict[str, Any]:
+    doc = _load(DATA_DIR / "models" / f"{name}.yml")
+    base = doc.pop("inherits", None)
+    return {**_model_doc(base), **doc} if base else doc
+
+
 @functools.cache
 def model_facts(name: str | None = None) -> ModelFacts:
-    """Kimi K2.5 W4A8 (model.yml), or another model's facts from models/<name>.yml (engine profiles)."""
-    return ModelFacts(**_load(DATA_DIR / "model.yml" if name is None else DATA_DIR / "models" / f"{name}.yml"))
+    """models/<name>.yml (default Kimi K2.5 W4A8); `inherits: other` takes the other file's numbers."""
+    return ModelFacts(**_model_doc(name or DEFAULT_MODEL))
+
+
+@functools.cache
+def model_catalogue() -> dict[str, ModelFacts]:
+    """The models kimi_model_id can name (models/*.yml, less those an engine profile pins, e.g. the lane's)."""
+    pinned = {p.model for p in engine_profiles().values() if p.model}
+    return {p.stem: model_facts(p.stem) for p in sorted((DATA_DIR / "models").glob("*.yml")) if p.stem not in pinned}
+
+
+def find_model(model_id: str) -> ModelFacts | None:
+    """The facts whose hub id is model_id (case-insensitive: hubs spell W4A8 and w4a8 alike), else None."""
+    wanted = model_id.lower()
+    return next((m for m in model_catalogue().values() if m.model_id.lower() == wanted), None)
 
 
 @functools.cache
 def switch_rules() -> dict[str, SwitchRule]:
     return {k: SwitchRule(**v) for k, v in _load(DATA_DIR / "switches.yml").items()}
+
+
+class Deviation(Strict):
+    """One deliberate difference of kimictl's renders from vllm-ascend's recipes (data/deviations.yml)."""
+
+    id: str
+    what: str
+    reason: str
+
+
+@functools.cache
+def deviations() -> dict[str, Deviation]:
+    return {k: Deviation(id=k, **v) for k, v in _load(DATA_DIR / "deviations.yml").items()}
 
 
 @functools.cache
@@ -257,27 +337,26 @@ def version_profiles() -> dict[str, VersionProfile]:
     return {p.version: p for p in profiles}
 
 
-def _version_key(v: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in v.split(".") if x.isdigit())
-
-
 def newest_version() -> str:
-    return max(version_profiles(), key=_version_key)
+    """The default profile: the newest final release (release candidates are opt-in)."""
+    return max((p.version for p in version_profiles().values() if not p.prerelease), key=version_key)
 
 
 def version_profile(version: str | None) -> VersionProfile:
-    """Profile for a vllm-ascend version ('0.23.0', 'v0.23.0.post1' and '0.23' all name 0.23.0)."""
+    """Profile for a vllm-ascend version: its name, upstream release or image tag ('0.23.0', '0.23.0.post1',
+    'v0.23.0.post1' name 0.23.0; '0.30.0rc2'), or a prefix of one ('0.23', '0.30')."""
     profiles = version_profiles()
     if version is None:
         return profiles[newest_version()]
     wanted = version.strip().lstrip("v")
-    for name, prof in profiles.items():
-        if wanted in (name, prof.image_tag.lstrip("v")) or name.startswith(wanted + "."):
+    for prof in profiles.values():
+        if wanted in prof.names():
             return prof
-    raise InvalidInput(
-        f"kimi_vllm_ascend_version: unsupported vllm-ascend version '{version}'; "
-        f"supported: {', '.join(sorted(profiles, key=_version_key))}"
-    )
+    prefixed = [p for p in profiles.values() if any(n.startswith(wanted + ".") for n in p.names())]
+    if prefixed:
+        return max(prefixed, key=lambda p: version_key(p.version))
+    listed = ", ".join(sorted((p.upstream or p.version for p in profiles.values()), key=version_key))
+    raise InvalidInput(f"kimi_vllm_ascend_version: unsupported vllm-ascend version '{version}'; supported: {listed}")
 
 
 @functools.cache

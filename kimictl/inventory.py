@@ -150,15 +150,20 @@ KEYS: dict[str, Key] = {
     "kimi_cluster": Key("cluster", "cluster name, [a-z0-9][a-z0-9-]{0,62} (required)"),
     "kimi_model_dir": Key("cluster", "absolute checkpoint path on every host (required)"),
     "kimi_model_source": Key("cluster", "modelscope (default), huggingface or local"),
-    "kimi_model_id": Key("cluster", "hub model id, default Eco-Tech/Kimi-K2.5-W4A8"),
+    "kimi_model_id": Key("cluster", "hub model id, default Eco-Tech/Kimi-K2.5-W4A8; also picks the model facts "
+                                    "(K2.5, K2.6, K2.7 W4A8: kimictl/data/models/)"),
     "kimi_model_endpoint": Key("cluster", "hub base URL (mirror or the sandbox's fake hub)"),
     "kimi_model_revision": Key("cluster", "hub revision, default master (ModelScope) / main (HF)"),
-    "kimi_vllm_ascend_version": Key("cluster", "vllm-ascend version profile, default the newest"),
+    "kimi_vllm_ascend_version": Key("cluster", "vllm-ascend version profile (0.23.0.post1, 0.30.0rc2, ...), default "
+                                               "the newest final release"),
     "kimi_runtime": Key("cluster", "container (default) or host"),
     "kimi_proxy_host": Key("cluster", "inventory host that runs the P/D proxy, default the first prefill host"),
+    "kimi_monitor_host": Key("cluster", "inventory host that runs Prometheus (`kimictl observe up`), default the "
+                                        "proxy host"),
     "kimi_api_key_file": Key("cluster", "file on the control node (mode 0600) holding the key clients must send "
                                         "to the proxy (Authorization: Bearer); unset: no key"),
-    "kimi_draft_model_dir": Key("cluster", "eagle3 draft checkpoint path; setting it enables speculative decoding"),
+    "kimi_draft_model_dir": Key("cluster", "draft checkpoint path (eagle3 or dflash, per the topology); setting it "
+                                           "enables speculative decoding"),
     "kimi_media_dir": Key("cluster", "directory engines may read local media from (--allowed-local-media-path)"),
     "kimi_python": Key("cluster", "python3 on the hosts that has modelscope/huggingface_hub, for weights pulls"),
     "kimi_engine_profile": Key("cluster", "engine profile: ascend (default) or cpu-smoke (vLLM CPU build, tiny "
@@ -193,6 +198,7 @@ class ClusterSettings(BaseModel):
     kimi_vllm_ascend_version: Annotated[str, AfterValidator(_known_version)] | None = None
     kimi_runtime: Literal["container", "host"] = "container"
     kimi_proxy_host: str | None = None
+    kimi_monitor_host: str | None = None
     kimi_api_key_file: AbsPath | None = None
     kimi_draft_model_dir: KimiDir | None = None
     kimi_media_dir: MediaDir = "/var/lib/kimi/media"
@@ -535,7 +541,7 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
         except InvalidInput as exc:
             c.err(c.all_origin["kimi_api_key_file"].line, f"all.vars: {exc.message}")
     names = [h.name for h in hosts]
-    if cluster.kimi_proxy_host and cluster.kimi_proxy_host not in names:
-        c.err(c.all_origin["kimi_proxy_host"].line,
-              f"all.vars: kimi_proxy_host '{cluster.kimi_proxy_host}' is not an inventory host"
-                 + _dym(cluster.kimi_proxy_host, names))
+    for key in ("kimi_proxy_host", "kimi_monitor_host"):
+        value = getattr(cluster, key)
+        if value and value not in names:
+            c.err(c.all_origin[key].line, f"all.vars: {key} '{value}' is not an inventory host" + _dym(value, names))

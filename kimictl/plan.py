@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 from typing import Any, Literal
 
@@ -19,6 +20,8 @@ from kimictl.facts import (
     ModelFacts,
     VersionProfile,
     engine_profile,
+    find_model,
+    model_catalogue,
     model_facts,
     switch_rules,
     version_profile,
@@ -136,6 +139,7 @@ class RoleConfig(_Model):
     env_prepend: dict[str, str]
     additional_config: dict[str, Any]
     serve: dict[str, Any]
+    preload: list[str] = []  # libraries preloaded when present (LD_PRELOAD), e.g. jemalloc
 
 
 class Plan(_Model):
@@ -172,7 +176,7 @@ class Plan(_Model):
 
 
 def memory_fit(role: str, hw: Hardware, dp: int, tp: int, serve: dict[str, Any], env: dict[str, str],
-               with_draft: bool, m: ModelFacts | None = None) -> MemoryFit:
+               with_draft: bool, m: ModelFacts | None = None, draft_method: str = "eagle3") -> MemoryFit:
     """Estimate per-NPU bytes for weights, reserve and KV cache of model m (default Kimi K2.5); label: estimate."""
     m = m or model_facts()
     ep = dp * tp if serve.get("enable-expert-parallel") else 1
@@ -187,7 +191,7 @@ def memory_fit(role: str, hw: Hardware, dp: int, tp: int, serve: dict[str, Any],
     buff = int(env.get("HCCL_BUFFSIZE", HCCL_DEFAULT_BUFFSIZE_MIB))
     reserve = m.runtime_reserve_mib * MIB + m.hccl_buffers * buff * MIB
     activation = int(serve.get("max-num-batched-tokens", 8192)) * m.activation_bytes_per_token
-    draft = m.draft_model_gib * GIB if with_draft else 0.0
+    draft = m.drafts.get(draft_method, 0.0) * GIB if with_draft else 0.0
     kv = usable - weights - reserve - activation - draft
     max_len = int(serve.get("max-model-len", m.text.max_position_embeddings))
     tokens = max(0, int(kv // m.kv_bytes_per_token))
@@ -284,7 +288,7 @@ def _host_count_error(inv: Inventory, topo: Topology, hw: Hardware, pinned: dict
     minimum = sum(r.nodes for r in topo.roles.values())
     if len(inv.hosts) < minimum:
         # Show why the instances cannot simply shrink onto fewer hosts: the per-NPU numbers on one host.
-        facts = engine_profile(inv.cluster.kimi_engine_profile).facts()
+        facts = engine_profile(inv.cluster.kimi_engine_profile).facts(inv.cluster.kimi_model_id)
         for role, spec in topo.roles.items():
             if spec.nodes <= 1:
                 continue
@@ -308,14 +312,32 @@ def _host_count_error(inv: Inventory, topo: Topology, hw: Hardware, pinned: dict
 
 
 def _resolve_switches(topo: Topology, role: str, hw: Hardware, ep: int, tp: int, ver: VersionProfile,
-                      env: dict[str, str], extra: dict[str, Any], decisions: list[SwitchDecision],
-                      warnings: list[str]) -> None:
+                      env: dict[str, str], extra: dict[str, Any], serve: dict[str, Any],
+                      decisions: list[SwitchDecision], warnings: list[str]) -> None:
     rules = switch_rules()
-    for name, wanted in topo.roles[role].switches.items():  # type: ignore[index]
+    asked = topo.roles[role].switches  # type: ignore[index]
+    wanted_by = {name: (wanted, "") for name, wanted in asked.items()}
+    for name, rule in rules.items():  # switches the planner turns on by itself (a known crash's mitigation)
+        auto = rule.auto
+        if auto is None or name in asked or role not in rule.roles:
+            continue
+        if auto.unless_off and asked.get(auto.unless_off) is False:
+            continue
+        batched = serve.get("max-num-batched-tokens")
+        if auto.max_batched_tokens is not None and (batched is None or batched > auto.max_batched_tokens):
+            continue
+        wanted_by[name] = (True, f"on by kimictl (max-num-batched-tokens {batched} <= {auto.max_batched_tokens})")
+    for name, (wanted, auto_note) in wanted_by.items():
         rule = rules[name]
         spelling = ver.switches.get(name)
         if spelling is None:
-            raise PlanError(f"role {role}: switch {name} is not available in vllm-ascend {ver.version}")
+            if not rule.unavailable_note:
+                raise PlanError(f"role {role}: switch {name} is not available in vllm-ascend {ver.version}")
+            if wanted:
+                decisions.append(SwitchDecision(role=role, switch=name, state="skipped", spelled="", why=rule.why,
+                                                note=f"not in vllm-ascend {ver.version}"))
+                warnings.append(f"{role}: {rule.unavailable_note}")
+            continue
         if wanted and role not in rule.roles:
             raise PlanError(
                 f"role {role}: switch {name} is for {', '.join(rule.roles)} only",
@@ -340,10 +362,23 @@ def _resolve_switches(topo: Topology, role: str, hw: Hardware, ep: int, tp: int,
             env[spelling.env] = str(value)
             spelled = f"env {spelling.env}={value}"
         else:
-            extra[spelling.additional_config] = value  # type: ignore[index]
+            set_nested(extra, spelling.additional_config, value)  # type: ignore[arg-type]
             spelled = f"additional-config {spelling.additional_config}={_json_scalar(value)}"
+        if wanted and rule.min_hccl_buffsize_mib:
+            buff = int(env.get("HCCL_BUFFSIZE", HCCL_DEFAULT_BUFFSIZE_MIB))
+            if buff < rule.min_hccl_buffsize_mib:
+                warnings.append(f"{role}: switch {name} with HCCL_BUFFSIZE {buff}; every upstream recipe running it "
+                                f"uses >= {rule.min_hccl_buffsize_mib} MiB")
         decisions.append(SwitchDecision(role=role, switch=name, state="on" if wanted else "off", spelled=spelled,
-                                        why=rule.why))
+                                        why=rule.why, note=auto_note))
+
+
+def set_nested(doc: dict[str, Any], dotted: str, value: Any) -> None:
+    """doc["a"]["b"] = value for "a.b" (creating the inner mappings)."""
+    *outer, last = dotted.split(".")
+    for key in outer:
+        doc = doc.setdefault(key, {})
+    doc[last] = value
 
 
 def _json_scalar(v: Any) -> str:
@@ -367,21 +402,52 @@ def _role_config(topo: Topology, role: str, hw: Hardware, ver: VersionProfile, e
         if flag in serve and serve[flag] in values:
             warnings.append(f"{role}: --{flag} {serve.pop(flag)} not rendered (engine profile {prof.name}: "
                             "vLLM-Ascend only)")
-    serve = {k: v for k, v in {**serve, **prof.serve}.items() if v is not False}
-    extra = dict(serve.pop("additional-config", None) or {})
-    for key in extra:
-        if key in ver.removed_additional_config:
-            raise PlanError(f"role {role}: additional-config key {key} is not valid for vllm-ascend "
-                            f"{ver.version}: {ver.removed_additional_config[key]}")
     if prof.ascend:
-        _resolve_switches(topo, role, hw, ep, spec.tp, ver, env, extra, decisions, warnings)
+        for flag, values in ver.drop_serve.items():
+            if flag in serve and serve[flag] in values:
+                warnings.append(f"{role}: --{flag} {serve.pop(flag)} not rendered (vllm-ascend {ver.version}'s "
+                                "vLLM does not take it)")
+    serve = {k: v for k, v in {**serve, **prof.serve}.items() if v is not False}
+    extra = json_copy(serve.pop("additional-config", None) or {})
+    if prof.ascend:
+        _check_additional_config(role, extra, ver, warnings)
+        _resolve_switches(topo, role, hw, ep, spec.tp, ver, env, extra, serve, decisions, warnings)
     else:
         _skip_ascend_only(role, spec.switches, extra, prof, decisions, warnings)
         extra = {}
     if role == "prefill" and serve.get("max-num-seqs") and "enforce-eager" not in serve:
         warnings.append("prefill: no --enforce-eager; every vllm-ascend P/D guide runs prefill eager")
     return RoleConfig(env=env, env_prepend=dict(ver.env_prepend) if prof.ascend else {}, additional_config=extra,
-                      serve=serve)
+                      serve=serve, preload=list(ver.preload) if prof.ascend else [])
+
+
+def json_copy(doc: dict[str, Any]) -> dict[str, Any]:
+    """A deep copy of a JSON-shaped mapping (the topology's own stays untouched when switches nest into it)."""
+    import json
+
+    return json.loads(json.dumps(doc))
+
+
+def _check_additional_config(role: str, extra: dict[str, Any], ver: VersionProfile, warnings: list[str]) -> None:
+    """Raw --additional-config keys: removed ones fail; unknown ones fail where vllm-ascend forbids them (0.28+)
+    and warn where it silently ignores them."""
+    known = ver.additional_config_keys
+    nested = {"scheduler_config": ver.scheduler_config_keys}
+    for key, value in extra.items():
+        if key in ver.removed_additional_config:
+            raise PlanError(f"role {role}: additional-config key {key} is not valid for vllm-ascend "
+                            f"{ver.version}: {ver.removed_additional_config[key]}")
+        unknown = [key] if known is not None and key not in known else []
+        if not unknown and isinstance(value, dict) and nested.get(key) is not None:
+            unknown = [f"{key}.{k}" for k in value if k not in nested[key]]  # type: ignore[operator]
+        for name in unknown:
+            close = difflib.get_close_matches(name.rsplit(".", 1)[-1], known or [], n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            if ver.strict_additional_config:
+                raise PlanError(f"role {role}: additional-config key {name} is not read by vllm-ascend {ver.version}"
+                                f"{hint}; this version refuses unknown keys at start-up")
+            warnings.append(f"{role}: additional-config key {name} is not read by vllm-ascend {ver.version}{hint}; "
+                            "it has no effect")
 
 
 def _skip_ascend_only(role: str, switches: dict[str, bool], extra: dict[str, Any], prof: EngineProfile,
@@ -424,11 +490,16 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         raise PlanError(f"engine profile {prof.name} needs kimi_runtime: {prof.runtime} "
                         f"(the inventory says {inv.cluster.kimi_runtime})", hint=f"set kimi_runtime: {prof.runtime} "
                         "under all.vars, or use kimi_engine_profile: ascend")
-    facts = prof.facts()
+    facts = prof.facts(inv.cluster.kimi_model_id)
     hw = _hardware_of(inv, topo)
     warnings: list[str] = []
     decisions: list[SwitchDecision] = []
     with_draft = bool(topo.speculative and inv.cluster.kimi_draft_model_dir)
+    draft_method = topo.speculative.method if topo.speculative else "eagle3"
+    if not prof.model and find_model(inv.cluster.kimi_model_id) is None:
+        warnings.append(f"kimi_model_id {inv.cluster.kimi_model_id} has no model facts (known: "
+                        f"{', '.join(m.model_id for m in model_catalogue().values())}); "
+                        f"the HBM estimate and the served name are {facts.name}'s")
 
     # Per-role shape checks and HBM fit.
     fits: dict[str, MemoryFit] = {}
@@ -449,7 +520,8 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         serve = topo.role_serve(role)
         ep = spec.dp * spec.tp if serve.get("enable-expert-parallel") else 1
         role_cfg[role] = _role_config(topo, role, hw, ver, ep, decisions, warnings, prof)
-        fit = memory_fit(role, hw, spec.dp, spec.tp, role_cfg[role].serve, role_cfg[role].env, with_draft, facts)
+        fit = memory_fit(role, hw, spec.dp, spec.tp, role_cfg[role].serve, role_cfg[role].env, with_draft, facts,
+                         draft_method)
         fits[role] = fit
         if not fit.fits:
             raise PlanError(

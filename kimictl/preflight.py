@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from kimictl import ascend
 from kimictl.errors import KimictlError
-from kimictl.facts import check_specs, hardware_catalogue, model_facts, version_profile
+from kimictl.facts import VersionProfile, check_specs, engine_profile, hardware_catalogue, version_profile
 from kimictl.inventory import Host, Inventory
 from kimictl.plan import Plan
 from kimictl.render import render_template
@@ -22,22 +22,30 @@ from kimictl.state import cached_manifest_bytes
 
 CLOCK_SKEW_MAX_S = 2.0
 DISK_HEADROOM = 1.05
-LISTING_TIMEOUT_S = 10.0   # a hub that does not answer by then: judge disk room against the estimate
+LISTING_TIMEOUT_S = 10.0   # a hub that does not answer by then: judge disk room against the estimate (and say why)
 MIN_HOST_MEMORY_GIB = 64
 
 
-def checkpoint_bytes(inv: Inventory) -> tuple[int, bool]:
-    """(bytes, exact): the recorded manifest, else the hub's listing (read-only, cached), else model facts."""
-    need, exact = cached_manifest_bytes(inv.cluster.name)
-    if need is None and inv.cluster.kimi_model_source != "local":
-        from kimictl.weights.stage import load_manifest, read_token
+def checkpoint_bytes(inv: Inventory) -> tuple[int, str | None]:
+    """(bytes, None): the recorded manifest, else the hub's listing (read-only, cached); else (model facts' bytes,
+    why the listing is not known), which RES-001 says next to the estimate."""
+    need, _ = cached_manifest_bytes(inv.cluster.name)
+    if need is not None:
+        return need, None
+    if inv.cluster.kimi_model_source == "local":
+        return _estimate(inv), "kimi_model_source is local and no weights pull recorded a manifest"
+    from kimictl.weights.stage import load_manifest, read_token
 
-        try:
-            load_manifest(inv, read_token(inv.cluster.kimi_model_source, None), timeout=LISTING_TIMEOUT_S)
-            need, exact = cached_manifest_bytes(inv.cluster.name)
-        except KimictlError:
-            pass   # hub unreachable from here: judge against the estimate (the message says so)
-    return (need, exact) if need is not None else (model_facts().total_bytes, False)
+    try:
+        m = load_manifest(inv, read_token(inv.cluster.kimi_model_source, None), timeout=LISTING_TIMEOUT_S)
+    except Exception as exc:   # whatever it is, preflight goes on against the estimate and says why
+        why = exc.message if isinstance(exc, KimictlError) else f"{type(exc).__name__}: {exc}"
+        return _estimate(inv), f"the hub listing could not be read: {why[:300]}"
+    return m.total_bytes, None
+
+
+def _estimate(inv: Inventory) -> int:
+    return engine_profile(inv.cluster.kimi_engine_profile).facts(inv.cluster.kimi_model_id).total_bytes
 
 
 class CheckResult(BaseModel):
@@ -151,7 +159,18 @@ def _pgid(p: Probe, pid: int) -> int | None:
     return None
 
 
-def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_bytes: int, exact: bool) -> None:
+def driver_checks(j: _Judge, host: str, drv: str, ver: VersionProfile) -> None:
+    """VER-001 fails below kimictl's floor; VER-006 warns below the HDK upstream validates the release with."""
+    j.add("VER-001", host, bool(drv) and ascend.version_tuple(drv) >= ascend.version_tuple(ver.compat.driver_min),
+          f"driver {drv or 'not found'}; vllm-ascend {ver.version} needs >= {ver.compat.driver_min}")
+    floor = ver.compat.driver_validated
+    j.add("VER-006", host, None if not (drv and floor) else ascend.version_tuple(drv) >= ascend.version_tuple(floor),
+          f"driver {drv or 'not found'}; vllm-ascend {ver.upstream or ver.version} is validated with "
+          f"HDK {floor}" if floor else f"no validated HDK recorded for vllm-ascend {ver.version}")
+
+
+def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_bytes: int,
+                 estimate: str | None) -> None:
     hw = hardware_catalogue()[h.kimi_hardware]
     ver = version_profile(plan.vllm_ascend_version)
     planned = sorted({d for e in plan.engines_on(h.name) for d in e.devices})
@@ -180,9 +199,7 @@ def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_
     j.add("HW-005", h.name, not foreign, "; ".join(foreign) or "no foreign process on planned NPUs")
 
     # versions
-    drv = ascend.version_of(p.text("driver"))
-    j.add("VER-001", h.name, bool(drv) and ascend.version_tuple(drv) >= ascend.version_tuple(ver.compat.driver_min),
-          f"driver {drv or 'not found'}; vllm-ascend {ver.version} needs >= {ver.compat.driver_min}")
+    driver_checks(j, h.name, ascend.version_of(p.text("driver")), ver)
     fw = ascend.version_of(p.text("firmware"))
     j.add("VER-002", h.name, bool(fw), f"firmware {fw or 'not found'}")
     if inv.cluster.kimi_runtime == "host":
@@ -233,7 +250,7 @@ def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_
               "(config.json and *.safetensors)")
     else:
         need = max(0, int(need_bytes * DISK_HEADROOM) - present)
-        label = "checkpoint" if exact else "checkpoint (estimate from model facts)"
+        label = "checkpoint" if estimate is None else f"checkpoint (estimate from model facts; {estimate})"
         j.add("RES-001", h.name, free >= need,
               f"{free / 2**30:.1f} GiB free at {inv.cluster.kimi_model_dir}; the {label} of "
               f"{need_bytes / 2**30:.1f} GiB (+5%) needs "
@@ -376,7 +393,7 @@ def run_preflight(inv: Inventory, plan: Plan, *, timeout: float = 20.0, accept_n
     runs the mesh."""
     t_start = time.monotonic()
     j = _Judge(skip or set())
-    need, exact = checkpoint_bytes(inv)
+    need, estimate = checkpoint_bytes(inv)
     device_ips: dict[str, list[str | None]] = {h.name: list(h.kimi_device_ips) for h in inv.hosts
                                                if h.kimi_device_ips}
     one_trip = len(device_ips) == len(inv.hosts)
@@ -418,7 +435,7 @@ def run_preflight(inv: Inventory, plan: Plan, *, timeout: float = 20.0, accept_n
             ran = {name: r for name, r in sessions.each(mesh).items() if name in probes}
 
     for name, p in probes.items():
-        _host_checks(j, inv, plan, inv.host(name), p, need, exact)
+        _host_checks(j, inv, plan, inv.host(name), p, need, estimate)
     _ping_checks(j, list(probes), pings, ran, device_ips)
     _cross_checks(j, inv, plan, probes)
     order = {h.name: i for i, h in enumerate(inv.hosts)}

@@ -9,7 +9,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from kimictl.errors import InvalidInput, RenderError
 from kimictl.facts import engine_profile, hardware_catalogue, version_profile
@@ -44,6 +44,7 @@ class RenderedEngine(Engine):
     argv: list[str]
     env: dict[str, str]
     env_prepend: dict[str, str]
+    preload: list[str] = Field(default_factory=list)  # LD_PRELOAD when the file exists where the engine runs
 
 
 class RenderedProxy(BaseModel):
@@ -85,7 +86,7 @@ class Rendered(BaseModel):
                 {"id": e.id, "host": e.host, "ip": e.host_ip, "role": e.role, "instance": e.instance,
                  "dp_ranks": e.dp_ranks, "dp_size": e.dp_size, "tp_size": e.tp_size, "devices": e.devices,
                  "port": e.port, "serves_http": e.serves_http, "argv": e.argv, "env": e.env,
-                 "env_prepend": e.env_prepend}
+                 "env_prepend": e.env_prepend, "preload": e.preload}
                 for e in self.engines
             ],
             "proxy": None if self.proxy is None else {
@@ -316,8 +317,9 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
         argv = engine_argv(plan, inv, topo, e)
         env = engine_env(plan, inv, e)
         prepend = plan.role_config[e.role].env_prepend
-        engines.append(RenderedEngine(**e.model_dump(), argv=argv, env=env, env_prepend=prepend))
-        ctx = {"plan": plan, "engine": e, "env": env, "env_prepend": prepend, "argv": argv}
+        preload = plan.role_config[e.role].preload
+        engines.append(RenderedEngine(**e.model_dump(), argv=argv, env=env, env_prepend=prepend, preload=preload))
+        ctx = {"plan": plan, "engine": e, "env": env, "env_prepend": prepend, "preload": preload, "argv": argv}
         out = files[e.host]
         out[f"engines/{e.id}.env"] = render_template("engine.env.j2", **ctx)
         out[f"engines/{e.id}.sh"] = render_template("engine.sh.j2", **ctx)

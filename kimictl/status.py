@@ -9,6 +9,7 @@ from typing import Any
 
 from kimictl import ascend, health
 from kimictl.inventory import Inventory
+from kimictl.observe_up import monitoring_status
 from kimictl.router_kinds import proxy_ready
 from kimictl.secret_file import proxy_api_key
 from kimictl.ssh import Sessions, SSHError
@@ -130,7 +131,8 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
     return {"schema_version": STATUS_SCHEMA_VERSION, "cluster": inv.cluster.name, "state": state,
             "served_model_name": served,
             "release": record["release"] if record else None, "engines": engines, "proxy": proxy,
-            "pairs": pairs, "drift": drift, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "pairs": pairs, "drift": drift, "monitoring": monitoring_status(inv.cluster.name),
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _membership(engines: list[dict[str, Any]], proxy: dict[str, Any], api_key: str | None) -> list[dict[str, Any]]:

@@ -112,9 +112,18 @@ class Role(_Strict):
 
 
 class Speculative(_Strict):
-    method: Literal["eagle3"] = "eagle3"
+    method: Literal["eagle3", "dflash"] = Field(
+        "eagle3", description="eagle3 (K2.5's lightseekorg draft) or dflash (the K2.6/K2.7 recipes' z-lab drafter)")
     model_id: str
     num_speculative_tokens: dict[RoleName, int]
+
+
+class Slo(_Strict):
+    """Serving targets the monitoring alerts against (unset fields: kimictl/data/observe.yml's slo)."""
+
+    tpot_ms: float | None = Field(None, gt=0, description="time per output token target, ms, at the quantile")
+    ttft_ms: float | None = Field(None, gt=0, description="time to first token target, ms, at the quantile")
+    quantile: float | None = Field(None, gt=0, lt=1, description="the quantile the targets hold for, e.g. 0.9")
 
 
 class Topology(_Strict):
@@ -134,6 +143,7 @@ class Topology(_Strict):
     serve: ServeMap = Field(default_factory=dict)
     roles: dict[RoleName, Role]
     speculative: Speculative | None = None
+    slo: Slo | None = Field(None, description="serving targets for `kimictl observe` alerts")
     source: str = Field("", exclude=True)
 
     @field_validator("hardware")

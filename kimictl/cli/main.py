@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kimictl.cli import deploy, lifecycle, logs, preflight, sandbox, static, status, weights
+from kimictl.cli import deploy, lifecycle, logs, observe, preflight, sandbox, static, status, topology, weights
 from kimictl.cli import rollout as rollout_cli
 
 app = typer.Typer(
@@ -31,6 +31,8 @@ app.command()(lifecycle.stop)
 app.command()(lifecycle.start)
 app.add_typer(weights.app, name="weights")
 app.add_typer(sandbox.app, name="sandbox")
+app.add_typer(topology.app, name="topology")
+app.add_typer(observe.app, name="observe")
 
 
 def main() -> None:

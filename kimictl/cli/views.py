@@ -32,7 +32,10 @@ def plan_view(plan: Plan) -> Group:
         inst.add_column(col)
     for i in plan.instances:
         kv = f"{i.kv_port}-{i.kv_port + i.dp * i.tp - 1}" if i.kv_port else "-"
-        inst.add_row(i.name, ", ".join(i.hosts), f"{i.dp} x {i.tp}", str(i.ep), f"{i.master_host} ({i.master_ip})",
+        hosts = ", ".join(i.hosts) if len(i.hosts) == 1 else ", ".join(
+            f"{h} (ranks {_ranges(sorted(r for e in plan.engines_on(h) if e.instance == i.name for r in e.dp_ranks))})"
+            for h in i.hosts)
+        inst.add_row(i.name, hosts, f"{i.dp} x {i.tp}", str(i.ep), f"{i.master_host} ({i.master_ip})",
                      str(i.rpc_port), kv, i.engine_id or "-")
 
     eng = Table(title="Engines (one process each)", title_justify="left")
@@ -172,4 +175,10 @@ def status_view(doc: dict) -> Group:
                           style="green" if pair["state"] == "ok" else "bold red"))
     for d in doc["drift"]:
         parts.append(Text(f"drift: {d['host']} runs {d['current']}, recorded {d['recorded']}", style="yellow"))
+    if mon := doc.get("monitoring"):
+        firing = mon["alerts_firing"]
+        parts.append(Text(f"monitoring: Prometheus {mon['prometheus_url']} on {mon['monitor_host']}: {mon['state']}"
+                          + (f", firing {', '.join(firing)}" if firing else ", no alert firing" if
+                             mon["state"] == "ready" else ""),
+                          style="green" if mon["state"] == "ready" and not firing else "yellow"))
     return Group(*parts)

@@ -94,8 +94,21 @@ def _table(result) -> None:
             typer.echo(f"{h.host}: corrupt {p}" + (" (removed and fetched again)" if result.action == "pull" else ""))
         for p in h.missing[:10] if result.action != "status" else []:
             typer.echo(f"{h.host}: missing {p}")
+        if h.peer_key:
+            typer.echo(f"{h.host}: {_peer_key_text(h.peer_key)}")
     for w in result.warnings:
         typer.echo(f"warning: {w}")
+
+
+def _peer_key_text(key: dict) -> str:
+    expires = f"expires {key['expires']} host time" if key.get("expires") else "no expiry"
+    if key["state"] == "in use":
+        who = key.get("holder") or {}
+        return (f"the peer key of a running pull is installed ({expires}; pull by {who.get('user', '?')}@"
+                f"{who.get('host', '?')}, pid {who.get('pid', '?')})")
+    if key["state"] == "removed":
+        return f"removed the peer key an interrupted run left behind ({expires})"
+    return f"the peer key of an interrupted run is still installed ({expires}): {key.get('error', '')}"
 
 
 def _finish(result, output: Output) -> None:

@@ -63,7 +63,7 @@ def proxy_python() -> str | None:
 
 def inventory(hosts: list[HostSpec], hardware: str, directory: Path, *, mode: str, cluster: str,
               model_dir: str = MODEL_DIR, engine_command: str = ENGINE_COMMAND, user: str = "root",
-              hub_url: str | None = None, proxy_script: str | None = None) -> dict:
+              hub_url: str | None = None, python: str = "/usr/bin/python3", proxy_script: str | None = None) -> dict:
     """The Ansible YAML inventory as a dict; the checkpoint comes from the sandbox's fake hub when it runs.
     proxy_script: where the hosts have vllm-ascend's P/D proxy (None: it could not be had, see `sandbox up`)."""
     hub = {"kimi_model_source": "modelscope", "kimi_model_id": MODEL_ID, "kimi_model_endpoint": hub_url,
@@ -79,7 +79,7 @@ def inventory(hosts: list[HostSpec], hardware: str, directory: Path, *, mode: st
         **({"kimi_proxy_script": proxy_script, "kimi_proxy_python": proxy_python()}
            if proxy_script and proxy_python() else {}),
         "ansible_user": user,
-        "ansible_python_interpreter": "/usr/bin/python3",
+        "ansible_python_interpreter": python,
         "ansible_ssh_private_key_file": str(directory / "id_ed25519"),
         "ansible_ssh_common_args": ssh_common_args(directory),
         # ansible puts its own ControlPath first on the ssh command line; keep those sockets in D too

@@ -749,11 +749,13 @@ E2E_BUCKETS = (
     7680.0,
 )
 FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's vllm:prompt_tokens_by_source sources (vllm/v1/metrics/stats.py PromptTokenStats.ALL_SOURCES).
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 def _label_str(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
     parts = []
-    for name, value in zip(names, values, strict=True):
+    for name, value in zip(names, values):
         escaped = str(value).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
         parts.append(f'{name}="{escaped}"')
     if extra:
@@ -808,7 +810,7 @@ class Metric:
                     continue
                 counts, total, count = value
                 running = 0
-                for bound, n in zip(self.buckets, counts, strict=True):
+                for bound, n in zip(self.buckets, counts):
                     running += n
                     le = 'le="' + repr(float(bound)) + '"'
                     lines.append(f"{self.name}_bucket{_label_str(self.labels, key, le)} {float(running)!r}")
@@ -831,6 +833,8 @@ class Metrics:
         self.waiting = m("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", b)
         self.kv_usage = m("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", b)
         self.prompt_tokens = m("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", b)
+        self.prompt_by_source = m("vllm:prompt_tokens_by_source_total", "counter", "Number of prompt tokens by source.",
+                                  (*b, "source"))
         self.gen_tokens = m("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", b)
         self.success = m(
             "vllm:request_success_total",
@@ -867,6 +871,13 @@ class Metrics:
             "vllm:inter_token_latency_seconds",
             "histogram",
             "Histogram of inter-token latency in seconds.",
+            b,
+            ITL_BUCKETS,
+        )
+        self.req_tpot = m(
+            "vllm:request_time_per_output_token_seconds",
+            "histogram",
+            "Histogram of time_per_output_token_seconds per request.",
             b,
             ITL_BUCKETS,
         )
@@ -932,11 +943,17 @@ class Metrics:
             "Simulated engine identity (always 1).",
             (*b, "role", "kv_role", "engine_id", "devices", "hardware", "vllm_ascend_version"),
         )
+        # prometheus_client's process collector in a single-API-server vLLM: restarts show as a new start time.
+        self.process_start = m("process_start_time_seconds", "gauge",
+                               "Start time of the process since unix epoch in seconds.", ())
+        self.process_start.set((), time.time())
         self.families = [
+            self.process_start,
             self.running,
             self.waiting,
             self.kv_usage,
             self.prompt_tokens,
+            self.prompt_by_source,
             self.gen_tokens,
             self.success,
             self.preemptions,
@@ -944,6 +961,7 @@ class Metrics:
             self.ext_hits,
             self.ttft,
             self.itl,
+            self.req_tpot,
             self.e2e,
             self.kv_held,
             self.kv_sent_reqs,
@@ -962,7 +980,10 @@ class Metrics:
             if family is self.success:
                 for reason in FINISH_REASONS:
                     family.touch((*key, reason))
-            elif family is not self.info:
+            elif family is self.prompt_by_source:
+                for source in PROMPT_SOURCES:
+                    family.touch((*key, source))
+            elif family.labels == self.BASE:
                 family.touch(key)
 
     def render(self, engine_stats: bool = True) -> str:
@@ -1213,7 +1234,7 @@ class Simulator:
                     self.metrics.preemptions.inc(labels)
                     log.info("Request %s preempted after %d tokens (KV cache full); recomputing it locally",
                              req.request_id, pressure)
-            last = time.monotonic()
+            first = last = time.monotonic()
             self.metrics.ttft.observe(labels, last - started)
             for i, piece in enumerate(pieces):
                 if i:
@@ -1223,6 +1244,8 @@ class Simulator:
                     last = now
                 # as vLLM: the last token's output carries the finish reason (a recomputed request's does not)
                 emit(piece, reason if i == len(pieces) - 1 and stop_reason is None else None)
+            if len(pieces) > 1:
+                self.metrics.req_tpot.observe(labels, (last - first) / (len(pieces) - 1))
             if stop_reason:
                 self.stop.wait(self.tpot)  # the scheduler step that drops it
                 log.warning("[RecomputeScheduler] Recompute triggered for request %s.", req.request_id)
@@ -1244,6 +1267,8 @@ class Simulator:
                     self._update_gauges(core)
                     core.cond.notify_all()
         self.metrics.prompt_tokens.inc(labels, len(req.prompt_ids))
+        self.metrics.prompt_by_source.inc((*labels, "external_kv_transfer"), result.pulled_tokens)
+        self.metrics.prompt_by_source.inc((*labels, "local_compute"), len(req.prompt_ids) - result.pulled_tokens)
         self.metrics.gen_tokens.inc(labels, len(result.pieces))
         self.metrics.success.inc((*labels, result.finish_reason))
         self.metrics.e2e.observe(labels, time.monotonic() - started)

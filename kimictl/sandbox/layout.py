@@ -16,6 +16,7 @@ MODELS_PARENT = "/var/lib/kimi/models"
 ENGINE_COMMAND = "/opt/kimi-sim/bin/vllm"
 VLLM_ASCEND_TREE = "/opt/vllm-ascend"   # where hosts have vllm-ascend's source tree (its P/D proxy script)
 NPU_SMI_PATH = "/usr/local/bin/npu-smi"
+NPU_EXPORTER_PORT = 8082    # Ascend NPU-Exporter's default -port (Ascend/ascend-npu-exporter cmd/npu-exporter/main.go)
 ASCEND_ROOT = "/usr/local/Ascend"
 HCCN_TOOL_PATH = f"{ASCEND_ROOT}/driver/tools/hccn_tool"
 CONTROL_NIC = "eth0"        # host interface on the control bridge (kimi_nic)

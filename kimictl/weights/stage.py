@@ -69,6 +69,8 @@ class HostReport:
     bytes_read: int = 0
     seconds: float = 0.0
     error: str | None = None
+    # the cluster's peer key when one was installed: {state: removed | in use | present, expires, ...}
+    peer_key: dict[str, Any] | None = None
 
 
 @dataclass
@@ -202,6 +204,7 @@ class AgentLink:
         self.host, self.events, self.secrets = host, events, secrets
         transport = session.transport()
         self.server_key = transport.get_remote_server_key()
+        self.address = transport.getpeername()[0]   # the host's IP as this machine reached it
         self.chan = transport.open_session()
         self.chan.exec_command(agent_command(python, model_dir))
         self.chan.sendall((json.dumps(AGENT_SRC.read_text()) + "\n").encode())
@@ -275,6 +278,7 @@ class Stager:
         stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
         self.run_dir = control_dir(self.c.name) / "runs" / f"{stamp}-weights"
         self.key_comment = f"kimictl-weights:{self.c.name}"
+        self.peer_sources: set[str] = set()   # addresses the hosts reach each other from (the key's from=)
         self.prepared = self.cleaned = False
         self.timeline: list[dict[str, Any]] = []   # what moved when: runs/<stamp>-weights/timeline.jsonl
 
@@ -303,15 +307,18 @@ class Stager:
             except Exception as exc:  # paramiko channel errors
                 self.reports[name].state, self.reports[name].error = "unreachable", f"cannot start the agent: {exc}"
         manifest = json.loads(self.m.to_json())
-        for link in self.links.values():
+        peers = [t.address for t in self.targets.values()] if pull and len(self.targets) > 1 else []
+        for name, link in self.links.items():
             link.send({"op": "hello", "manifest": manifest, "digest": self.digest, "mode": mode, "pull": pull,
-                       "invalidate": invalidate,
-                       "holder": holder("weights pull")})
+                       "invalidate": invalidate, "holder": holder("weights pull"), "peers": peers,
+                       "key_comment": self.key_comment, "key_dir": f"{self.state_dir[name]}/weights"})
         states: dict[str, dict] = {}
         while len(states) < len(self.links):
             host, ev = self._next(60.0)
             if ev["ev"] == "state":
                 states[host] = ev
+                self.peer_sources.update(ev.get("sources") or [])
+                self._peer_key_seen(host, ev.get("peer_key"))
             elif ev["ev"] in ("locked", "error", "eof"):
                 self._abort_on(host, ev, "start")
         return states
@@ -340,6 +347,12 @@ class Stager:
     def _completed(self, host: str) -> None:
         rep = self.reports[host]
         rep.state, rep.have, rep.missing, rep.unverified = "complete", len(self.order), [], []
+
+    def _peer_key_seen(self, host: str, key: dict[str, Any] | None) -> None:
+        self.reports[host].peer_key = key
+        if key and key["state"] == "removed":
+            self.r.say(f"weights: {host}: removed the peer key a killed run left behind (it would have expired "
+                       f"{key.get('expires') or '(no expiry)'})")
 
     def _fill(self, host: str, st: dict) -> None:
         rep = self.reports[host]
@@ -433,16 +446,22 @@ class Stager:
         src, private, public = AGENT_SRC.read_text(), key.read_text(), key.with_suffix(".pub").read_text().strip()
         for p in (key, key.with_suffix(".pub")):
             p.unlink()
-        md = self.c.kimi_model_dir
-        payload = {h: {"agent_src": src, "peer_key": private, "known_hosts": known, "model_dir": md,
+        payload = {h: {"agent_src": src, "peer_key": private, "known_hosts": known, "model_dir": self.c.kimi_model_dir,
                        "key_dir": f"{sd}/weights", "key_comment": self.key_comment,
-                       "authorized_line": f'restrict,command="{self.c.kimi_python} -I -S {sd}/weights/'
-                                          f'kimi_weights_agent.py rsync-serve {md}" {public}'}
+                       "authorized_line": self.authorized_line(sd, public)}
                    for h, sd in self.state_dir.items()}
         installer = ("import sys,json;d=json.loads(sys.stdin.read());g={'__name__':'kimi_weights_agent'};"
                      "exec(compile(d['agent_src'],'kimi_weights_agent','exec'),g);g['install_peer_key'](d)")
         # the private key reaches the hosts on the task's stdin (no_log); run_playbook removes its extravars file
         self._playbook("prepare", {"python": self.c.kimi_python, "installer": installer, "payload": payload})
+
+    def authorized_line(self, state_dir: str, public: str) -> str:
+        """The peer key's authorized_keys line (the host adds expiry-time when it installs it): no pty, forwarding
+        or user rc (restrict), only from the cluster's hosts, only the forced command (agent.parse_peer_command)."""
+        sources = sorted(self.peer_sources | {link.address for link in self.links.values()})
+        command = (f"{self.c.kimi_python} -I -S {state_dir}/weights/kimi_weights_agent.py rsync-serve "
+                   f"{self.c.kimi_model_dir} {state_dir}/logs/weights-peer.log")
+        return f'restrict,from="{",".join(sources)}",command="{command}" {public}'
 
     def _prepare_async(self) -> None:
         def run() -> None:

@@ -123,7 +123,8 @@ def test_a_production_preset_loses_only_its_ascend_parts(tmp_path: Path) -> None
     assert {d.state for d in plan.switches} <= {"skipped", "off"} and not any(d.spelled for d in plan.switches)
     env = r.engines[0].env
     assert not [k for k in env if k.startswith(("ASCEND_", "HCCL_IF", "HCCL_SOCKET", "HCCL_OP", "PYTORCH_NPU"))]
-    assert env["HCCL_BUFFSIZE"] == "256"  # the topology's own env is the user's and stays
+    assert env["HCCL_BUFFSIZE"] == "512"  # the topology's own env is the user's and stays
+    assert r.engines[0].preload == [] and not [w for w in plan.warnings if "mlapo_keep_prefill_weights" in w]
 
 
 def test_ascend_profile_spelled_out_renders_the_same_as_the_default(tmp_path: Path) -> None:

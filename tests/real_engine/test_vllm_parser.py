@@ -38,14 +38,20 @@ def vllm_parse():
 
 
 def _variants(tmp_path: Path) -> dict[str, Path]:
-    out = {p: ROOT / "inventories" / f"{p}.yml" for p in ("a3-pd", "a2-pd", "a3-colocated", "a2-colocated")}
+    presets = ("a3-pd", "a2-pd", "a3-colocated", "a2-colocated", "a3-pd-2p1d")
+    out = {p: ROOT / "inventories" / f"{p}.yml" for p in presets}
     text = (ROOT / "inventories" / "a3-pd.yml").read_text()
-    old = tmp_path / "a3-pd-0.18.yml"
-    old.write_text(text.replace('"0.23.0"', '"0.18.0"'))
+    for version in ("0.18.0", "0.30.0rc2"):
+        path = tmp_path / f"a3-pd-{version}.yml"
+        path.write_text(text.replace('"0.23.0"', f'"{version}"'))
+        out[f"a3-pd@{version}"] = path
+    draft = "    kimi_runtime: container\n    kimi_draft_model_dir: /data/models/eagle3"
     spec = tmp_path / "a3-pd-eagle3.yml"
-    spec.write_text(text.replace("    kimi_runtime: container", "    kimi_runtime: container\n"
-                                 "    kimi_draft_model_dir: /data/models/eagle3"))
-    return {**out, "a3-pd@0.18.0": old, "a3-pd+eagle3": spec}
+    spec.write_text(text.replace("    kimi_runtime: container", draft))
+    spec_2p1d = tmp_path / "a3-pd-2p1d-eagle3.yml"
+    spec_2p1d.write_text((ROOT / "inventories" / "a3-pd-2p1d.yml").read_text().replace(
+        "    kimi_runtime: container", draft).replace('"0.23.0.post1"', '"0.30.0rc2"'))
+    return {**out, "a3-pd+eagle3": spec, "a3-pd-2p1d+eagle3@0.30.0rc2": spec_2p1d}
 
 
 def test_every_rendered_argv_parses(vllm_parse, tmp_path: Path) -> None:
@@ -53,6 +59,7 @@ def test_every_rendered_argv_parses(vllm_parse, tmp_path: Path) -> None:
     for name, inv_path in _variants(tmp_path).items():
         inv = load_inventory(inv_path)
         topo = load_topology(name.split("@")[0].split("+")[0])
+        assert "@" not in name or make_plan(inv, topo).vllm_ascend_version == name.split("@")[1]
         for e in render(make_plan(inv, topo), inv, topo).engines:
             assert e.argv[1] == "serve"
             argvs[f"{name}/{e.id}"] = e.argv[3:]

@@ -23,7 +23,7 @@ def test_topologies_lists_presets() -> None:
     r = _run("topologies", "--output", "json")
     assert r.exit_code == 0
     names = [t["name"] for t in json.loads(r.stdout)["topologies"]]
-    assert names == ["a2-colocated", "a2-pd", "a3-colocated", "a3-pd"]
+    assert names == ["a2-colocated", "a2-pd", "a3-colocated", "a3-pd", "a3-pd-2p1d"]
 
 
 def test_validate_ok_and_json() -> None:
@@ -39,6 +39,19 @@ def test_plan_text_and_json() -> None:
     assert "prefill-0" in r.stdout and "estimate" in r.stdout and "enable_fused_mc2" in r.stdout
     j = json.loads(_run("plan", "-i", str(ROOT / "inventories/a3-pd.yml"), "-t", "a3-pd", "-o", "json").stdout)
     assert j["schema_version"] == 1 and j["fits"]["decode"]["fits"] is True
+
+
+def test_plan_shows_the_2p1d_decode_instance_over_two_hosts() -> None:
+    """kimictl plan -i <4 x A3> --topology a3-pd-2p1d: 2 prefill instances, one 32-rank decode over two hosts."""
+    r = _run("plan", "-i", str(ROOT / "inventories/a3-pd-2p1d.yml"), "--topology", "a3-pd-2p1d")
+    assert r.exit_code == 0, r.output
+    assert "a3-node-03 (ranks 0-15), a3-node-04 (ranks 16-31)" in r.stdout and "32 x 1" in r.stdout
+    doc = json.loads(_run("plan", "-i", str(ROOT / "inventories/a3-pd-2p1d.yml"), "--topology", "a3-pd-2p1d",
+                          "--output", "json").stdout)
+    assert [(i["name"], len(i["hosts"]), i["dp"], i["tp"], i["ep"]) for i in doc["instances"]] == [
+        ("prefill-0", 1, 2, 8, 16), ("prefill-1", 1, 2, 8, 16), ("decode-0", 2, 32, 1, 32)]
+    decode = [e for e in doc["engines"] if e["role"] == "decode"]
+    assert len(decode) == 32 and {e["dp_ranks"][0] for e in decode if e["host"] == "a3-node-04"} == set(range(16, 32))
 
 
 def test_render_writes_out_dir(tmp_path: Path) -> None:

@@ -13,9 +13,6 @@ import pytest
 from kimictl.weights.checkpoint import checkpoint_manifest, generate_checkpoint
 from kimictl.weights.fakehub import FakeHub
 
-pytest.importorskip("modelscope")
-pytest.importorskip("huggingface_hub")
-
 REPO = "Eco-Tech/Kimi-K2.5-W4A8"
 TOKEN = "tok-9f8e7d6c5b4a"
 SHARD2 = "quant_model_weights-00002-of-00004.safetensors"

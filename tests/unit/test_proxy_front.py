@@ -19,6 +19,8 @@ import pytest
 FRONT = Path(__file__).parents[2] / "kimictl" / "proxy_front.py"
 FAKE_ROUTER = Path(__file__).parent / "data" / "fake_router.py"
 KEY = "k-7f3a9c1e"
+# Hosts run the front with their own python3: KIMICTL_HOST_PYTHON=/path/python3.9 checks another one (scripts/test.sh).
+FRONT_PY = os.environ.get("KIMICTL_HOST_PYTHON") or sys.executable
 
 
 def free_ports(n: int) -> list[int]:
@@ -39,7 +41,7 @@ class Front:
         self.key_file = tmp / "key"
         self.key_file.write_text(KEY + "\n")
         self.fail_file = tmp / "fail"
-        argv = [sys.executable, str(FRONT), "run", "--listen", f"127.0.0.1:{self.port}", "--state", str(self.state),
+        argv = [FRONT_PY, str(FRONT), "run", "--listen", f"127.0.0.1:{self.port}", "--state", str(self.state),
                 "--grace", "10", "--ready-timeout", "20", "--connect-wait", str(connect_wait)]
         for i in range(routers):
             argv += ["--router", f"{ports[1 + 2 * i]}:{ports[2 + 2 * i]}"]
@@ -82,7 +84,7 @@ class Front:
         return r.status, (json.loads(data) if data else {})
 
     def reload(self) -> tuple[int, dict]:
-        p = subprocess.run([sys.executable, str(FRONT), "reload", "--state", str(self.state), "--timeout", "60"],
+        p = subprocess.run([FRONT_PY, str(FRONT), "reload", "--state", str(self.state), "--timeout", "60"],
                            capture_output=True, text=True, check=False)
         return p.returncode, json.loads(p.stdout)
 

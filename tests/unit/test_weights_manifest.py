@@ -33,9 +33,6 @@ from kimictl.weights.manifest import (
     local_manifest,
 )
 
-pytest.importorskip("modelscope_hub")
-pytest.importorskip("huggingface_hub")
-
 REPO = "Eco-Tech/Kimi-K2.5-W4A8"
 TOKEN = "tok-5e4d3c2b1a-manifest"
 SOURCES = ["modelscope", "huggingface"]

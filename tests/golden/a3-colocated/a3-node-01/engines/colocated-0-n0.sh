@@ -7,6 +7,7 @@ set -a
 . "$here/colocated-0-n0.env"
 set +a
 export LD_LIBRARY_PATH=/usr/local/Ascend/ascend-toolkit/latest/python/site-packages/mooncake"${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+if [ -e /usr/lib/aarch64-linux-gnu/libjemalloc.so.2 ]; then export LD_PRELOAD=/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"${LD_PRELOAD:+:${LD_PRELOAD}}"; fi
 exec vllm serve /data/models/Kimi-K2.5-W4A8 \
   --host 0.0.0.0 \
   --port 7100 \
@@ -25,6 +26,7 @@ exec vllm serve /data/models/Kimi-K2.5-W4A8 \
   --tool-call-parser kimi_k2 \
   --reasoning-parser kimi_k2 \
   --enable-auto-tool-choice \
+  --safetensors-load-strategy prefetch \
   --max-num-seqs 64 \
   --max-num-batched-tokens 16384 \
   --gpu-memory-utilization 0.9 \

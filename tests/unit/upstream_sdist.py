@@ -1,0 +1,214 @@
+"""vllm-ascend's source distributions for tests: fetch through the package index, verify the pinned sha256, cache.
+
+The sdists carry vllm-ascend's own multi-node CI recipes and its source. Tests read both from an extracted copy in
+the cache (KIMICTL_UPSTREAM_CACHE, default ~/.cache/kimictl/upstream); nothing is copied into the repository. When
+the cache has no verified copy and the index cannot be reached, `sdist()` skips the test and says why.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+import re
+import shutil
+import tarfile
+import urllib.error
+import urllib.parse
+import urllib.request
+from functools import cache
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import yaml
+
+PINS = yaml.safe_load((Path(__file__).resolve().parents[1] / "data" / "upstream.yml").read_text())
+DEFAULT_INDEX = "https://pypi.org/simple"
+TIMEOUT_S = 60
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KIMICTL_UPSTREAM_CACHE") or Path.home() / ".cache" / "kimictl" / "upstream")
+
+
+def index_url() -> str:
+    """The simple index pip uses (PIP_INDEX_URL), else PyPI's."""
+    return (os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX).rstrip("/")
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hrefs: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "a":
+            self.hrefs += [v for k, v in attrs if k == "href" and v]
+
+
+def _file_url(filename: str) -> tuple[str, str | None]:
+    """(download URL, sha256 the index states) of one file of the project, from its simple-index page."""
+    page = f"{index_url()}/{PINS['package']}/"
+    req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
+    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+        body = resp.read()
+        kind = resp.headers.get("Content-Type", "")
+    if "json" in kind:
+        for f in json.loads(body)["files"]:
+            if f["filename"] == filename:
+                return urllib.parse.urljoin(page, f["url"]), f.get("hashes", {}).get("sha256")
+    else:
+        links = _Links()
+        links.feed(body.decode())
+        for href in links.hrefs:
+            url, _, frag = href.partition("#")
+            if url.rsplit("/", 1)[-1] == filename:
+                return urllib.parse.urljoin(page, url), frag.removeprefix("sha256=") if frag else None
+    raise FileNotFoundError(f"{filename} is not on {page}")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fetch(release: str) -> Path:
+    """The verified tarball of one pinned release in the cache (downloaded when missing)."""
+    pin = PINS["sdists"][release]
+    dest = cache_dir() / pin["file"]
+    if dest.exists() and _sha256(dest) == pin["sha256"]:
+        return dest
+    url, stated = _file_url(pin["file"])
+    if stated and stated != pin["sha256"]:
+        raise AssertionError(f"the index states sha256 {stated} for {pin['file']}; pinned {pin['sha256']}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    part = dest.with_suffix(".part")
+    with urllib.request.urlopen(url, timeout=TIMEOUT_S) as resp, part.open("wb") as out:
+        shutil.copyfileobj(resp, out)
+    got = _sha256(part)
+    if got != pin["sha256"]:
+        part.unlink()
+        raise AssertionError(f"{url}: sha256 {got}, pinned {pin['sha256']}")
+    part.replace(dest)
+    return dest
+
+
+@cache
+def sdist(release: str) -> Path:
+    """The extracted source tree of a pinned release; skips the test when it cannot be had (and says why)."""
+    pin = PINS["sdists"][release]
+    tree = cache_dir() / pin["file"].removesuffix(".tar.gz")
+    stamp = tree / ".kimictl-sha256"
+    if stamp.exists() and stamp.read_text() == pin["sha256"]:
+        return tree / pin["file"].removesuffix(".tar.gz")
+    try:
+        tarball = _fetch(release)
+    except (urllib.error.URLError, OSError, FileNotFoundError) as exc:
+        pytest.skip(f"vllm-ascend {release} sdist: not cached in {cache_dir()} and the index {index_url()} "
+                    f"is unreachable ({exc})")
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir(parents=True)
+    with tarfile.open(tarball) as tar:
+        tar.extractall(tree, filter="data")
+    stamp.write_text(pin["sha256"])
+    return tree / pin["file"].removesuffix(".tar.gz")
+
+
+def recipe_paths() -> list[Path]:
+    """The Kimi P/D CI recipes of the pinned recipe release, sorted."""
+    root = sdist(PINS["recipes"]["release"])
+    return sorted(root.glob(PINS["recipes"]["glob"]))
+
+
+# --- what a release reads, from its source (parsed with ast, never imported) ------------------------------------
+
+
+def _text(node: ast.AST) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _mapping_reads(tree: ast.AST, is_mapping) -> set[str]:
+    """String keys read from a mapping: m.get("k"), m["k"], "k" in m, and helper(m, "k", ...) calls."""
+    keys: set[str] = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Call):
+            f = n.func
+            if isinstance(f, ast.Attribute) and f.attr in ("get", "pop", "setdefault") and is_mapping(f.value) \
+                    and n.args and _text(n.args[0]):
+                keys.add(_text(n.args[0]))
+            for i, arg in enumerate(n.args):
+                if is_mapping(arg):
+                    key = next((_text(a) for a in n.args[i + 1:] if _text(a)), None)
+                    if key:
+                        keys.add(key)
+        elif isinstance(n, ast.Subscript) and is_mapping(n.value) and _text(n.slice):
+            keys.add(_text(n.slice))
+        elif isinstance(n, ast.Compare) and len(n.ops) == 1 and isinstance(n.ops[0], (ast.In, ast.NotIn)) \
+                and is_mapping(n.comparators[0]) and _text(n.left):
+            keys.add(_text(n.left))
+    return keys
+
+
+def _named(name: str):
+    return lambda n: (isinstance(n, ast.Name) and n.id == name) or (isinstance(n, ast.Attribute) and n.attr == name)
+
+
+def _class(tree: ast.AST, name: str) -> ast.ClassDef | None:
+    return next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name), None)
+
+
+def _fields(cls: ast.ClassDef | None) -> set[str]:
+    if cls is None:
+        return set()
+    return {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+            and not s.target.id.startswith("_")}
+
+
+class SourceKeys:
+    """The additional_config keys, scheduler_config keys and env vars one vllm-ascend release reads."""
+
+    def __init__(self, root: Path) -> None:
+        pkg = root / "vllm_ascend"
+        config = ast.parse((pkg / "ascend_config.py").read_text())
+        top: set[str] = set()
+        for path in sorted(pkg.rglob("*.py")):  # keys are read outside ascend_config.py too (platform, utils)
+            try:
+                top |= _mapping_reads(ast.parse(path.read_text()), _named("additional_config"))
+            except SyntaxError:
+                continue
+        ascend = _class(config, "AscendConfig")
+        # 0.28+: AscendConfig is a pydantic dataclass; its fields are keys, plus the keys init_ascend_config strips
+        # before validation (consumed elsewhere, or derived and ignored).
+        top |= _fields(ascend)
+        for n in ast.walk(config):
+            if isinstance(n, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_NON_USER_INPUT_KEYS"
+                                                 for t in n.targets):
+                top |= {k for e in n.value.elts if (k := _text(e)) and not k.startswith("_")}
+        self.additional_config = top
+        self.scheduler_config = _mapping_reads(config, _named("scheduler_config")) | _fields(
+            _class(config, "SchedulerConfig")) if "scheduler_config" in top else set()
+        self.strict = ascend is not None and re.search(r"extra\s*=\s*['\"]forbid", ast.unparse(ascend)) is not None
+        env: set[str] = set()
+        for tree in (ast.parse((pkg / "envs.py").read_text()), config):
+            for n in ast.walk(tree):
+                if isinstance(n, ast.Dict):  # envs.py: env_variables = {"NAME": lambda: ...}
+                    env |= {k for key in n.keys if key is not None and (k := _text(key)) and k.isupper()}
+                elif isinstance(n, ast.Call) and n.args and _text(n.args[0]) and (
+                        (isinstance(n.func, ast.Attribute) and n.func.attr == "getenv")
+                        or (isinstance(n.func, ast.Attribute) and n.func.attr == "get"
+                            and _named("environ")(n.func.value))):
+                    env.add(_text(n.args[0]))
+                elif isinstance(n, ast.Compare) and len(n.ops) == 1 and isinstance(n.ops[0], ast.In) \
+                        and _named("environ")(n.comparators[0]) and _text(n.left):
+                    env.add(_text(n.left))
+        self.env = env
+
+
+@cache
+def source_keys(release: str) -> SourceKeys:
+    return SourceKeys(sdist(release))
