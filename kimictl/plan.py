@@ -618,12 +618,12 @@ def recompute_roles(role_cfg: dict[str, RoleConfig], decisions: list[SwitchDecis
     """Roles whose engines end requests as "recomputed" for the proxy to replay: the recompute_scheduler switch,
     or its additional-config key set directly (top level, or nested under scheduler_config as 0.26+ reads it)."""
     spelling = ver.switches.get("recompute_scheduler")
-    key = spelling.additional_config if spelling else None
+    key = (spelling.additional_config or "").rsplit(".", 1)[-1] if spelling else "recompute_scheduler_enable"
     out = [d.role for d in decisions if d.switch == "recompute_scheduler" and d.state == "on"]
     for role, cfg in role_cfg.items():
         extra = cfg.additional_config
         nested = extra.get("scheduler_config")
-        if key and (extra.get(key) or (isinstance(nested, dict) and nested.get(key))) and role not in out:
+        if (extra.get(key) or (isinstance(nested, dict) and nested.get(key))) and role not in out:
             out.append(role)
     return out
 

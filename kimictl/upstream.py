@@ -26,7 +26,11 @@ STAMP = ".kimictl-sha256"
 
 
 class UpstreamUnavailable(KimictlError):
-    """A pinned sdist is neither cached nor fetchable (or the index serves other bytes than pinned)."""
+    """A pinned sdist is neither cached nor fetchable."""
+
+
+class UpstreamMismatch(KimictlError):
+    """The index states, or serves, other bytes than data/upstream.yml pins."""
 
 
 @functools.cache
@@ -103,8 +107,8 @@ def fetch(release: str) -> Path:
     try:
         url, stated = _file_url(pin["file"])
         if stated and stated != pin["sha256"]:
-            raise UpstreamUnavailable(f"the index {index_url()} states sha256 {stated} for {pin['file']}; "
-                                      f"data/upstream.yml pins {pin['sha256']}")
+            raise UpstreamMismatch(f"the index {index_url()} states sha256 {stated} for {pin['file']}; "
+                                   f"data/upstream.yml pins {pin['sha256']}")
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(f"{dest.name}.{os.getpid()}.part")
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as resp, part.open("wb") as out:
@@ -115,7 +119,7 @@ def fetch(release: str) -> Path:
     got = _sha256(part)
     if got != pin["sha256"]:
         part.unlink()
-        raise UpstreamUnavailable(f"{url}: sha256 {got}, data/upstream.yml pins {pin['sha256']}")
+        raise UpstreamMismatch(f"{url}: sha256 {got}, data/upstream.yml pins {pin['sha256']}")
     part.replace(dest)
     return dest
 

@@ -403,7 +403,7 @@ class Sandbox:
         be had (then only proxy.router vllm-router can be deployed here)."""
         from kimictl.facts import version_profile
         from kimictl.router_kinds import router_kind
-        from kimictl.upstream import UpstreamUnavailable, release_of, upstream_file
+        from kimictl.upstream import UpstreamMismatch, UpstreamUnavailable, release_of, upstream_file
 
         kind = router_kind("vllm-ascend-proxy")
         self._proxy_rel = str(kind.script)
@@ -414,7 +414,7 @@ class Sandbox:
         else:
             try:
                 return upstream_file(release, self._proxy_rel)
-            except UpstreamUnavailable as exc:
+            except (UpstreamUnavailable, UpstreamMismatch) as exc:
                 why = exc.message
         self.log(f"warning: vllm-ascend {release}'s P/D proxy cannot run here ({why}); the inventory gets no "
                  "kimi_proxy_script, so only proxy.router vllm-router can be deployed")

@@ -123,6 +123,17 @@ def test_vllm_router_with_recompute_is_refused_naming_the_switch_and_both_ways_o
         "switches": {}, "serve": {"additional-config": {"recompute_scheduler_enable": True}}})
     with pytest.raises(PlanError, match="recompute"):
         _plan_render(tmp_path, _topo(router="vllm-router").model_copy(update={"roles": {**base.roles, "decode": raw}}))
+    # and nested under scheduler_config, as 0.26+ reads it
+    nested = raw.model_copy(update={"serve": {"additional-config": {
+        "scheduler_config": {"recompute_scheduler_enable": True}}}})
+    with pytest.raises(PlanError, match="recompute"):
+        _plan_render(tmp_path, _topo(router="vllm-router").model_copy(
+            update={"roles": {**base.roles, "decode": nested}}), kimi_vllm_ascend_version="0.30.0rc2")
+    # without recompute, vllm-router plans
+    off = raw.model_copy(update={"serve": {}})
+    plan, _ = _plan_render(tmp_path, _topo(router="vllm-router").model_copy(
+        update={"roles": {**base.roles, "decode": off}}))
+    assert plan.proxy.router == "vllm-router"
 
 
 def test_a_policy_with_the_upstream_proxy_is_refused(tmp_path: Path) -> None:
