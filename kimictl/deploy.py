@@ -20,7 +20,7 @@ from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import Rendered, write_rendered
 from kimictl.router_kinds import proxy_ready
-from kimictl.secret_file import proxy_api_key
+from kimictl.secret_file import proxy_admin_key, proxy_admin_key_path, proxy_api_key
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 from kimictl.state import cached_manifest_bytes, control_dir, save_preflight
 
@@ -213,13 +213,16 @@ class EngineOps:
 
     def install_release(self, rendered: Rendered, hosts: list[str]) -> None:
         """Unpack each host's release next to the running one (nothing restarts); the tools in bin/ and the proxy's
-        API key are brought up to date on the way."""
-        proxy_host = rendered.plan.proxy.host if rendered.plan.proxy else None
+        keys (the clients' and the admin key of its routers' API, made here on first use) are brought up to date on
+        the way."""
+        p = rendered.plan.proxy
+        admin = p is not None and p.admin_key and proxy_admin_key(self.cluster, create=True) is not None
         self._playbook("release.yml", {
             "state_dir_of": self.state_dir_of,
             "bin": {"supervisor.py": str(SUPERVISOR_SRC), "proxy_front.py": str(PROXY_FRONT_SRC)},
             "hosts": {h: {"release": rendered.releases[h], "bundle": str(self._bundle(h))} for h in hosts},
-            "proxy_host": proxy_host, "api_key_file": self.inv.cluster.kimi_api_key_file}, hosts)
+            "proxy_host": p.host if p else None, "api_key_file": self.inv.cluster.kimi_api_key_file,
+            "admin_key_file": str(proxy_admin_key_path(self.cluster)) if admin else None}, hosts)
 
     def ready(self, p: Proc) -> health.Ready:
         if p.kind == "proxy":
@@ -391,9 +394,10 @@ class Deployer(EngineOps):
         if not todo:
             checks = [(p, self.ready(p)) for p in procs if p.serves_http]
             sick = [p for p, r in checks if not r.ok]
-            if any(p.kind == "proxy" and "401" in r.detail for p, r in checks if not r.ok):
-                # Only the key changed (it is not part of a release): install it; the front re-reads it.
-                self.say("the proxy refuses the inventory's API key: installing the key")
+            if any(p.kind == "proxy" and "401" in r.detail for p, r in checks if not r.ok) or self._admin_refused():
+                # Only a key changed (keys are not part of a release): install them; the front re-reads them.
+                self.say("the proxy refuses the inventory's API key or this control node's admin key: installing "
+                         "the keys")
                 self.install_release(self.rendered, [self.plan.proxy.host] if self.plan.proxy else [])
                 sick = [p for p in sick if not self.ready(p).ok]
             if sick:
@@ -422,6 +426,14 @@ class Deployer(EngineOps):
         self._record("deployed", changes)
         return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "deployed", smoke,
                             self.timings)
+
+    def _admin_refused(self) -> bool:
+        """The deployed front refuses this control node's admin key (it was made elsewhere, or anew here)."""
+        p = self.plan.proxy
+        if not p or not p.admin_key:
+            return False
+        key = proxy_admin_key(self.cluster, create=True)
+        return health.http_get(f"http://{p.ip}:{p.port}/kimictl/router/0/health", 5, key)[0] == 403
 
     def _preflight(self) -> None:
         from kimictl.preflight import run_preflight

@@ -28,7 +28,7 @@ from kimictl.facts import (
 )
 from kimictl.inventory import Host, Inventory
 from kimictl.router_kinds import RouterKind, router_kind
-from kimictl.topology import Topology
+from kimictl.topology import FrontLimits, Topology
 
 HCCL_DEFAULT_BUFFSIZE_MIB = 200  # HCCL's own default when HCCL_BUFFSIZE is unset
 
@@ -123,6 +123,10 @@ class ProxyPlan(_Model):
     routers: list[RouterPort] = []  # loopback ports of the router copies behind the proxy port
     api_key: bool = False  # clients must send the inventory's kimi_api_key_file
     router_why: str = ""  # why this router kind (printed by `kimictl plan`)
+    # The routers' own API behind the front needs kimictl's admin key (False: a release made before it had one,
+    # whose front took the client key there).
+    admin_key: bool = False
+    limits: FrontLimits = FrontLimits()
 
 
 class PortUse(_Model):
@@ -601,7 +605,8 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         proxy = ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=kind.name,
                           policy=topo.proxy.policy or "round_robin" if kind.name == "vllm-router" else None,
                           prefill=endpoints("prefill"), decode=endpoints("decode"), routers=routers,
-                          api_key=inv.cluster.kimi_api_key_file is not None, router_why=why)
+                          api_key=inv.cluster.kimi_api_key_file is not None, router_why=why, admin_key=True,
+                          limits=FrontLimits(**{k: getattr(topo.proxy, k) for k in FrontLimits.model_fields}))
 
     return Plan(
         cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,

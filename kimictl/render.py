@@ -20,10 +20,12 @@ from kimictl.router_kinds import router_kind
 from kimictl.topology import Topology
 
 RENDER_SCHEMA_VERSION = 1
-# Under a host's kimi_state_dir: the proxy front (shipped like the supervisor), its state, the clients' API key.
+# Under a host's kimi_state_dir: the proxy front (shipped like the supervisor), its state, the clients' API key,
+# the admin key of the routers' own API behind it.
 PROXY_FRONT = "bin/proxy_front.py"
 PROXY_FRONT_STATE = "run/proxy-front/state.json"
 PROXY_API_KEY = "secrets/proxy-api-key"
+PROXY_ADMIN_KEY = "secrets/proxy-admin-key"
 # Next to proxy.sh in a release: runs a router copy's command inside the engines' image (container runtime).
 PROXY_CONTAINER_SCRIPT = "router.container.sh"
 ASCEND_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
@@ -263,6 +265,12 @@ def front_argv(plan: Plan, inv: Inventory) -> list[str]:
         argv += ["--no-router-metrics"]
     if p.api_key:
         argv += ["--api-key-file", f"{sd}/{PROXY_API_KEY}"]
+    if p.admin_key:
+        argv += ["--admin-key-file", f"{sd}/{PROXY_ADMIN_KEY}"]
+    lim = p.limits
+    argv += ["--max-connections", str(lim.max_connections), "--max-body", str(lim.max_body_mib * 2**20),
+             "--header-timeout", str(lim.header_timeout_s), "--io-timeout", str(lim.io_timeout_s),
+             "--idle-timeout", str(lim.idle_timeout_s)]
     return [*argv, "--", *proxy_argv(plan, inv)]
 
 
@@ -357,7 +365,7 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             ],
             "proxy": None if not (plan.proxy and plan.proxy.host == host) else
             {"port": plan.proxy.port, "command": ["bash", "proxy/proxy.sh"], "routers": len(plan.proxy.routers),
-             "api_key": plan.proxy.api_key, "router": plan.proxy.router},
+             "api_key": plan.proxy.api_key, "admin_key": plan.proxy.admin_key, "router": plan.proxy.router},
         }
         out["manifest.json"] = render_template("manifest.json.j2", manifest=manifest)
     return Rendered(plan=plan, engines=engines, proxy=proxy, files=files, releases=releases)

@@ -39,6 +39,7 @@ from kimictl.deploy import (
 from kimictl.errors import HostError, InvalidInput, InventoryError, KimictlError, TopologyError
 from kimictl.inventory import KEYS, ClusterSettings, Inventory
 from kimictl.render import Rendered, write_rendered
+from kimictl.secret_file import proxy_admin_key
 from kimictl.state import control_dir
 from kimictl.topology import Ports, Proxy, Role, Speculative, Topology
 
@@ -809,12 +810,10 @@ class Rollout(EngineOps):
                             + " do not answer", host=ep.host, step="check", log_tail=self.log_tail(ep.host, ep.engine),
                             hint="fix it first (kimictl status)")
         assert self.new.proxy is not None and self.old.proxy is not None
-        base = f"http://{self.new.proxy.host}:{self.new.proxy.port}"
-        # Behind kimictl's proxy front each router copy has its own membership, reached through the front.
-        own = [f"{base}/kimictl/router/{i}" for i in range(len(self.old.proxy.routers))] or [base]
-        self.routers = [RouterAdmin(u, api_key=self.api_key) for u in own]
-        self.routers += [RouterAdmin(u) for u in dict.fromkeys(self.ro.routers) if u not in own]
-        self.own_routers = len(own)
+        self.routers = self._own_routers(self.old)
+        self.own_routers = len(self.routers)
+        self.routers += [RouterAdmin(u) for u in dict.fromkeys(self.ro.routers) if u not in
+                         [r.url for r in self.routers]]
         for i, r in enumerate(self.routers):
             try:
                 runtime = r.supports_runtime_add()
@@ -825,6 +824,15 @@ class Rollout(EngineOps):
                                    "restart the proxy it deployed",
                                    hint="run extra routers with --enable-igw, or leave them out of --router")
             self.runtime = self.runtime and runtime
+
+    def _own_routers(self, rendered: Rendered) -> list[RouterAdmin]:
+        """The proxy kimictl deployed: behind its front each router copy has its own membership, reached through
+        the front with the admin key (a release made before the admin key: with the client key)."""
+        assert rendered.proxy is not None and rendered.plan.proxy is not None
+        base = f"http://{rendered.proxy.host}:{rendered.proxy.port}"
+        own = [f"{base}/kimictl/router/{i}" for i in range(len(rendered.proxy.routers))] or [base]
+        key = proxy_admin_key(self.cluster) if rendered.plan.proxy.admin_key else self.api_key
+        return [RouterAdmin(u, api_key=key) for u in own]
 
     def _membership(self) -> dict[str, str]:
         return {r.url: "runtime" if r._runtime_add else "reload" if i < self.own_routers and self.front else "restart"
@@ -873,6 +881,8 @@ class Rollout(EngineOps):
             if a.proxy_changed:
                 self._restart_proxy(next(p for p in desired_procs(self.new, self.inv) if p.id == "proxy"),
                                     "proxy change")
+                own = self._own_routers(self.new)
+                self.routers[:self.own_routers], self.own_routers = own, len(own)
             rest = sorted(set(a.changed_hosts) - self.switched)
             if rest:
                 self._switch({h: self.new.releases[h] for h in rest})

@@ -11,7 +11,7 @@ from kimictl import ascend, health
 from kimictl.inventory import Inventory
 from kimictl.observe_up import monitoring_status
 from kimictl.router_kinds import proxy_ready
-from kimictl.secret_file import proxy_api_key
+from kimictl.secret_file import proxy_admin_key, proxy_api_key
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import control_dir
 
@@ -90,7 +90,7 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
         if man.get("proxy"):
             sup = got["supervised"].get("proxy")
             proxy = {"host": h.name, "ip": h.ip, "port": man["proxy"]["port"],
-                     "routers": int(man["proxy"].get("routers", 0)),
+                     "routers": int(man["proxy"].get("routers", 0)), "admin_key": bool(man["proxy"].get("admin_key")),
                      "router": man["proxy"].get("router") or "vllm-router",  # releases before router kinds
                      "state": "stopped" if sup is None else _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")}
 
@@ -115,7 +115,9 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
     if pd and proxy and probe_pairs:
         pairs.append(_pair_probe(engines, proxy, served or "", api_key))
     if proxy and proxy["state"] == "ready":
-        proxy["membership"] = _membership(engines, proxy, api_key)
+        # The routers' own API takes kimictl's admin key (a front made before it had one took the client key).
+        admin = proxy_admin_key(inv.cluster.name) if proxy["admin_key"] else api_key
+        proxy["membership"] = _membership(engines, proxy, admin)
 
     states = [r["state"] for r in engines] + ([proxy["state"]] if proxy else [])
     members_ok = not proxy or all(not m.get("missing") and "error" not in m for m in proxy.get("membership", []))
@@ -128,6 +130,7 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
         state = "degraded"
     if proxy:
         proxy.pop("serves_http", None)
+        proxy.pop("admin_key", None)
     return {"schema_version": STATUS_SCHEMA_VERSION, "cluster": inv.cluster.name, "state": state,
             "served_model_name": served,
             "release": record["release"] if record else None, "engines": engines, "proxy": proxy,

@@ -74,10 +74,23 @@ class Ports(_Strict):
                                 description="first kv_port; default the hardware minimum (A2 28000, A3 36000)")
 
 
+class FrontLimits(_Strict):
+    """What kimictl's proxy front allows its clients (docs/operate.md: the proxy front's limits); proxy keys."""
+
+    max_connections: int = Field(1024, ge=16, le=65536, description="client connections served at once; one more "
+                                 "waits up to 2 s for a slot (an idle keep-alive connection gives its own), then 503")
+    max_body_mib: int = Field(256, ge=1, le=4096, description="request body limit in MiB (413 over it)")
+    header_timeout_s: int = Field(10, ge=1, le=300, description="seconds for a request head from its first byte (408)")
+    io_timeout_s: int = Field(30, ge=1, le=3600, description="seconds without a byte of a request body (408), or "
+                                                             "without the client taking a byte of its response")
+    idle_timeout_s: int = Field(75, ge=1, le=3600, description="seconds a keep-alive connection may wait for its "
+                                                               "next request")
+
+
 RouterKind = Literal["vllm-ascend-proxy", "vllm-router"]  # kimictl/data/routers.yml
 
 
-class Proxy(_Strict):
+class Proxy(FrontLimits):
     router: RouterKind | None = Field(None, description="the P/D router behind kimictl's front (data/routers.yml); "
                                                         "default the engine profile's (ascend: vllm-ascend-proxy)")
     port: int = Field(8000, ge=1024, le=65535)

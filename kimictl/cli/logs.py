@@ -40,10 +40,11 @@ def logs(
     """Tail each engine's and the proxy's log, or collect everything into one redacted tarball."""
     from kimictl.inventory import load_inventory
     from kimictl.logs import Redactor, build_bundle, tail_logs
-    from kimictl.secret_file import proxy_api_key
+    from kimictl.secret_file import proxy_admin_key, proxy_api_key
 
     inv = load_inventory(inventory).limited(host)
-    redactor = Redactor.from_config(secrets_file=secrets_file, known=filter(None, [proxy_api_key(inv)]))
+    redactor = Redactor.from_config(secrets_file=secrets_file,
+                                    known=filter(None, [proxy_api_key(inv), proxy_admin_key(inv.cluster.name)]))
     err = stderr_console()
     if redactor.skipped_short:
         err.print(f"[yellow]{redactor.skipped_short} configured secret value(s) shorter than 4 characters are not "

@@ -185,6 +185,10 @@ def test_shape_and_proxy_changes(base) -> None:
     assert a.proxy_changed and a.touched == [] and list(a.changed_hosts) == ["atlas-01"] and not a.problems
     old, new = _changed(base, "proxy.port=8001")
     assert any("proxy moves" in p for p in analyze(old, new).problems)
+    old, new = _changed(base, "proxy.max_body_mib=64")  # a front limit: a change of the proxy's command
+    a = analyze(old, new)
+    assert a.proxy_changed and a.touched == [] and not a.problems
+    assert "--max-body 67108864" in new.files["atlas-01"]["proxy/proxy.sh"]
 
 
 # --- P/D compatibility ---------------------------------------------------------------------------------------
