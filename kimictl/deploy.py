@@ -20,7 +20,7 @@ from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import Rendered, write_rendered
 from kimictl.router_kinds import proxy_ready
-from kimictl.secret_file import proxy_admin_key, proxy_admin_key_path, proxy_api_key
+from kimictl.secret_file import engine_api_key, engine_key_file, proxy_admin_key, proxy_admin_key_path, proxy_api_key
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 from kimictl.state import cached_manifest_bytes, control_dir, save_preflight
 
@@ -222,12 +222,18 @@ class EngineOps:
             "bin": {"supervisor.py": str(SUPERVISOR_SRC), "proxy_front.py": str(PROXY_FRONT_SRC)},
             "hosts": {h: {"release": rendered.releases[h], "bundle": str(self._bundle(h))} for h in hosts},
             "proxy_host": p.host if p else None, "api_key_file": self.inv.cluster.kimi_api_key_file,
-            "admin_key_file": str(proxy_admin_key_path(self.cluster)) if admin else None}, hosts)
+            "admin_key_file": str(proxy_admin_key_path(self.cluster)) if admin else None,
+            "engine_key_file": str(key) if (key := engine_key_file(self.inv, rendered.plan.mode == "pd",
+                                                                   create=True)) else None}, hosts)
 
     def ready(self, p: Proc) -> health.Ready:
         if p.kind == "proxy":
             return proxy_ready(p.router, p.ip, p.port, self.served_model_name, api_key=self.api_key)
-        return health.engine_ready(p.ip, p.port, self.served_model_name)
+        return health.engine_ready(p.ip, p.port, self.served_model_name, api_key=self.engine_key(p.role))
+
+    def engine_key(self, role: str) -> str | None:
+        """The key engines of this role require (P/D: kimictl's engine key; colocated: the clients')."""
+        return engine_api_key(self.inv, role in ("prefill", "decode"))
 
     def _bundle(self, host: str) -> Path:
         """The host's rendered files as one tarball: one transfer instead of one per file."""

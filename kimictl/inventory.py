@@ -28,6 +28,7 @@ _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}")
 _CLUSTER = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _URL = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(?::\d+)?(?:/[A-Za-z0-9._~/%+-]*)?")
+_API_KEY = re.compile(r"[A-Za-z0-9._~+/=-]{1,4096}")
 _COMMAND = re.compile(r"[A-Za-z0-9._/+@-]+(?: [A-Za-z0-9._/+@=-]+)*")
 
 
@@ -537,9 +538,14 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
                 seen_dev.setdefault(ip, h.name)
     if cluster.kimi_api_key_file:  # read where the commands that use it run: checked by validate and plan too
         try:
-            read_secret_file(Path(cluster.kimi_api_key_file), "kimi_api_key_file")
+            key = read_secret_file(Path(cluster.kimi_api_key_file), "kimi_api_key_file")
         except InvalidInput as exc:
             c.err(c.all_origin["kimi_api_key_file"].line, f"all.vars: {exc.message}")
+        else:
+            if not _API_KEY.fullmatch(key):  # it reaches env files a shell sources and `docker --env-file` reads
+                c.err(c.all_origin["kimi_api_key_file"].line, "all.vars: kimi_api_key_file: the key must be one "
+                      "token of letters, digits and ._~+/=- (no spaces, quotes, $ or backslashes): engines read it "
+                      "from an env file")
     names = [h.name for h in hosts]
     for key in ("kimi_proxy_host", "kimi_monitor_host"):
         value = getattr(cluster, key)

@@ -168,6 +168,10 @@ class Plan(_Model):
     switches: list[SwitchDecision]
     ports: list[PortUse]
     warnings: list[str]
+    # Engines require an API key (kimi_api_key_file is set; secret_file.engine_key_file says which key), delivered
+    # from a 0600 env file on the host; they listen on the host's business IP unless the topology's engine_bind is all.
+    engine_api_key: bool = False
+    engine_bind: str = "host-ip"
 
     def engines_on(self, host: str) -> list[Engine]:
         return [e for e in self.engines if e.host == host]
@@ -614,7 +618,8 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         launch=topo.launch, runtime=inv.cluster.kimi_runtime, model_dir=inv.cluster.kimi_model_dir,
         served_model_name=facts.served_model_name, engine_profile=prof.name, host_roles=host_roles,
         instances=instances, engines=engines, proxy=proxy, role_config=role_cfg, fits=fits, switches=decisions,
-        ports=ports.uses, warnings=warnings,
+        ports=ports.uses, warnings=warnings, engine_api_key=inv.cluster.kimi_api_key_file is not None,
+        engine_bind=topo.engine_bind,
     )
 
 
@@ -652,7 +657,14 @@ def _router_kind(inv: Inventory, topo: Topology, prof: EngineProfile, role_cfg: 
                 hint="use proxy.router: vllm-ascend-proxy (the default for vLLM-Ascend; it replays them), or turn "
                      f"recompute off (roles.{roles[0]}.switches.recompute_scheduler: false, and no "
                      "recompute_scheduler_enable in its additional-config)")
-    elif topo.proxy.policy:
+    if kind.engine_key != "env" and inv.cluster.kimi_api_key_file:
+        raise PlanError(
+            f"kimi_api_key_file is set, so every engine requires an API key, but proxy.router {kind.name} can send "
+            "the engines a key only on its command line (--api-key), where any local user could read it",
+            details=["measured: vllm-router 0.1.17 sends `Authorization: Bearer <--api-key or empty>` to the engines"],
+            hint="use proxy.router: vllm-ascend-proxy (the default; it sends the key from its environment), or "
+                 "remove kimi_api_key_file")
+    if kind.name != "vllm-router" and topo.proxy.policy:
         raise PlanError(f"proxy.policy {topo.proxy.policy} is vllm-router's; proxy.router {kind.name} picks engines "
                         "by its own load score", hint="remove proxy.policy, or use proxy.router: vllm-router")
     if kind.script and inv.cluster.kimi_runtime == "host" and not phost.kimi_proxy_script:

@@ -26,6 +26,8 @@ PROXY_FRONT = "bin/proxy_front.py"
 PROXY_FRONT_STATE = "run/proxy-front/state.json"
 PROXY_API_KEY = "secrets/proxy-api-key"
 PROXY_ADMIN_KEY = "secrets/proxy-admin-key"
+# The engines' API key as an env file (VLLM_API_KEY=..., 0600), on every host when the plan keys its engines.
+ENGINE_KEY_ENV = "secrets/engine-api-key.env"
 # Next to proxy.sh in a release: runs a router copy's command inside the engines' image (container runtime).
 PROXY_CONTAINER_SCRIPT = "router.container.sh"
 ASCEND_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
@@ -163,7 +165,8 @@ def engine_argv(plan: Plan, inv: Inventory, topo: Topology, e: Engine) -> list[s
     cfg = plan.role_config[e.role]
     prof = engine_profile(plan.engine_profile)
     cmd = shlex.split(host.kimi_engine_command or prof.command)
-    argv = [*cmd, *_fill(prof.serve_args, model_dir=plan.model_dir), "--host", "0.0.0.0", "--port", str(e.port)]
+    bind = e.host_ip if plan.engine_bind == "host-ip" else "0.0.0.0"
+    argv = [*cmd, *_fill(prof.serve_args, model_dir=plan.model_dir), "--host", bind, "--port", str(e.port)]
     argv += ["--data-parallel-size", str(e.dp_size)]
     if plan.launch == "external-dp":
         if e.dp_size > 1:  # vLLM refuses a DP rank (external load balancing) when the DP size is 1
@@ -327,7 +330,9 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
         prepend = plan.role_config[e.role].env_prepend
         preload = plan.role_config[e.role].preload
         engines.append(RenderedEngine(**e.model_dump(), argv=argv, env=env, env_prepend=prepend, preload=preload))
-        ctx = {"plan": plan, "engine": e, "env": env, "env_prepend": prepend, "preload": preload, "argv": argv}
+        key_env = f"{inv.host(e.host).kimi_state_dir}/{ENGINE_KEY_ENV}" if plan.engine_api_key else None
+        ctx = {"plan": plan, "engine": e, "env": env, "env_prepend": prepend, "preload": preload, "argv": argv,
+               "key_env": key_env}
         out = files[e.host]
         out[f"engines/{e.id}.env"] = render_template("engine.env.j2", **ctx)
         out[f"engines/{e.id}.sh"] = render_template("engine.sh.j2", **ctx)
@@ -344,8 +349,9 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             decode=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.decode], argv=proxy_argv(plan, inv),
             routers=[r.model_dump() for r in p.routers], api_key=p.api_key)
         kind = router_kind(p.router)
+        key_env = f"{inv.host(p.host).kimi_state_dir}/{ENGINE_KEY_ENV}" if plan.engine_api_key else None
         files[p.host]["proxy/proxy.sh"] = render_template("proxy.sh.j2", plan=plan, proxy=p, kind=kind,
-                                                          argv=front_argv(plan, inv))
+                                                          argv=front_argv(plan, inv), key_env=key_env)
         if kind.image_root and plan.runtime == "container":
             files[p.host][f"proxy/{PROXY_CONTAINER_SCRIPT}"] = render_template(
                 "router.container.sh.j2", plan=plan, proxy=p, container=f"kimi-{plan.cluster}-proxy-copy")

@@ -169,3 +169,29 @@ class AscendProxyAdmin:
             if url not in listed:
                 self.add(url, role)
         self.wait(f"activating {', '.join(sorted(want))}", lambda: want <= set(self.members()), timeout, sleep, clock)
+
+
+class VllmRouterMembership:
+    """vllm-router's worker list (`GET /workers`), read-only; rollout drives its admin API (kimictl.rollout)."""
+
+    membership = "workers"
+
+    def __init__(self, url: str, api_key: str | None = None, timeout: float = 10.0):
+        self.url, self.api_key, self.timeout = url.rstrip("/"), api_key, timeout
+
+    def members(self) -> dict[str, str]:
+        code, text = http_request("GET", f"{self.url}/workers", timeout=self.timeout, api_key=self.api_key)
+        if code != 200:
+            raise RouterError(f"router {self.url}: GET /workers -> {code or 'unreachable'}: {text[:200]}")
+        try:
+            workers = json.loads(text)["workers"]
+            return {str(w["url"]).rstrip("/"): str(w.get("worker_type") or "regular") for w in workers}
+        except (ValueError, KeyError, TypeError):
+            raise RouterError(f"router {self.url}: GET /workers is not a worker list: {text[:200]}") from None
+
+
+def membership_client(router: str | None, url: str, api_key: str | None = None, timeout: float = 10.0):
+    """The membership client of a router kind (a release recorded before router kinds ran vllm-router)."""
+    kind = router_kind(router or "vllm-router")
+    cls = AscendProxyAdmin if kind.membership == "instances" else VllmRouterMembership
+    return cls(url, api_key=api_key, timeout=timeout)

@@ -10,8 +10,8 @@ from typing import Any
 from kimictl import ascend, health
 from kimictl.inventory import Inventory
 from kimictl.observe_up import monitoring_status
-from kimictl.router_kinds import proxy_ready
-from kimictl.secret_file import proxy_admin_key, proxy_api_key
+from kimictl.router_kinds import RouterError, membership_client, proxy_ready
+from kimictl.secret_file import engine_api_key, proxy_admin_key, proxy_api_key
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import control_dir
 
@@ -55,6 +55,7 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
     """The CONTRACT `status --output json` document (schema_version 1)."""
     probes = _probe(inv, timeout)
     api_key = proxy_api_key(inv)
+    engine_keys = {pd: engine_api_key(inv, pd) for pd in (True, False)}  # the key engines require, P/D or not
     record_path = control_dir(inv.cluster.name) / "current.json"
     record = json.loads(record_path.read_text()) if record_path.exists() else None
     engines: list[dict[str, Any]] = []
@@ -97,7 +98,8 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
     def readiness(row: dict[str, Any]) -> None:
         if row["state"] == "starting" and row.get("serves_http", True):
             ok = (proxy_ready(row["router"], row["ip"], row["port"], served or "", timeout=3, api_key=api_key)
-                  if row is proxy else health.engine_ready(row["ip"], row["port"], served or "", timeout=3)).ok
+                  if row is proxy else health.engine_ready(row["ip"], row["port"], served or "", timeout=3,
+                                                           api_key=engine_keys[row["role"] != "colocated"])).ok
             row["state"] = "ready" if ok else "starting"
             if ok and row is not proxy:  # engines' vLLM metrics; the proxy port has none of its own
                 row["metrics"] = _engine_metrics(row["ip"], row["port"])
@@ -139,21 +141,18 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
 
 
 def _membership(engines: list[dict[str, Any]], proxy: dict[str, Any], api_key: str | None) -> list[dict[str, Any]]:
-    """Each router copy behind the proxy against the deployed endpoints: a router that lost one (a drain left
-    behind, a restart with another membership) routes around capacity the plan has."""
+    """Each router copy behind the proxy against the deployed endpoints, from the copy's own membership API: a router
+    that lost one (a drain left behind, a restart with another membership) routes around capacity the plan has."""
     want = {f"http://{r['ip']}:{r['port']}": r["id"] for r in engines
             if r["role"] in ("prefill", "decode") and r.get("serves_http")}
     base = f"http://{proxy['ip']}:{proxy['port']}"
     urls = [f"{base}/kimictl/router/{i}" for i in range(proxy["routers"])] or [base]
     out = []
     for i, url in enumerate(urls):
-        code, text = health.http_get(f"{url}/workers", 5, api_key)
         try:
-            members = {str(w["url"]).rstrip("/") for w in json.loads(text)["workers"]} if code == 200 else None
-        except (ValueError, KeyError, TypeError):
-            members = None
-        if members is None:
-            out.append({"router": i, "error": f"GET /workers -> {code or 'unreachable'}: {text[:120]}"})
+            members = set(membership_client(proxy["router"], url, api_key, timeout=5).members())
+        except RouterError as exc:
+            out.append({"router": i, "error": exc.message.removeprefix(f"router {url}: ")[:160]})
             continue
         out.append({"router": i, "members": len(members), "missing": sorted(want[u] for u in set(want) - members),
                     "unknown": sorted(members - set(want))})

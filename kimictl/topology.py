@@ -151,6 +151,9 @@ class Topology(_Strict):
     share: dict[Literal["prefill", "decode"], Annotated[int, Field(ge=1, le=64)]] = Field(
         default_factory=lambda: {"prefill": 1, "decode": 1}, description="how spare hosts split between roles")
     ports: Ports = Field(default_factory=Ports)
+    engine_bind: Literal["host-ip", "all"] = Field(
+        "host-ip", description="where engines listen: the host's business IP (kimi_host_ip or ansible_host), or all "
+                               "interfaces (0.0.0.0)")
     proxy: Proxy | None = None
     env: EnvMap = Field(default_factory=dict)
     serve: ServeMap = Field(default_factory=dict)
