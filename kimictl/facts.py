@@ -227,6 +227,13 @@ class KvTransfer(Strict):
     extra_config: dict[str, Any] = Field(default_factory=dict)
 
 
+class EngineMetrics(Strict):
+    """Prometheus names the engine exposes that a rollout's drain reads (its own spelling, per engine)."""
+
+    busy: list[str] = Field(min_length=1)      # gauges: > 0 while the engine runs, queues or holds work
+    activity: list[str] = Field(min_length=1)  # counters: any change means it served something meanwhile
+
+
 class EngineProfile(Strict):
     """What engine runs and how it is spelled (data/engines/*.yml); `ascend` is production."""
 
@@ -242,6 +249,7 @@ class EngineProfile(Strict):
     env: dict[str, str] = Field(default_factory=dict)               # replaces the version profile's env
     kv_transfer: KvTransfer | None = None  # None: the version profile's connector (MooncakeConnectorV1)
     min_ready_timeout_s: float = 0.0       # floor for deploy's readiness wait (start-up dominated by imports)
+    metrics: EngineMetrics                 # what "busy" and "served something" are called on its /metrics
     router: str = "vllm-ascend-proxy"      # the P/D router (data/routers.yml) when the topology names none
 
     def facts(self, model_id: str | None = None) -> ModelFacts:

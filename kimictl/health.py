@@ -52,6 +52,12 @@ def http_post_json(url: str, body: dict[str, Any], timeout: float = 60.0,
         return status, text
 
 
+def body_text(body: Any, limit: int = 200) -> str:
+    """An HTTP reply for a message: JSON as JSON (never a Python repr), cut to `limit` characters."""
+    text = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
+    return text[:limit]
+
+
 def engine_ready(ip: str, port: int, served_name: str, timeout: float = 3.0, api_key: str | None = None) -> Ready:
     """Model-aware readiness: /health is 200 and /v1/models lists the served model name."""
     code, text = http_get(f"http://{ip}:{port}/health", timeout, api_key)

@@ -14,15 +14,15 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from kimictl import health
-from kimictl.deploy import LIVE_STATES, SUPERVISOR_SRC, DeployOptions, EngineOps, HostObservation, Proc, compute_changes
+from kimictl import health, remote
 from kimictl.errors import HostError, KimictlError
+from kimictl.hostops import LIVE_STATES, HostObservation, HostOps, Proc, compute_changes
 from kimictl.inventory import Inventory
 from kimictl.observe import PROXY_EXPORTER_SRC, ObserveConfig, ObserveRender, load_config, seconds, write_observe
 from kimictl.plan import Plan
 from kimictl.router_kinds import router_kind
 from kimictl.ssh import Sessions, SSHError
-from kimictl.state import control_dir
+from kimictl.state import control_dir, new_run_dir
 
 OBSERVE_DIR = "observe"  # under a host's kimi_state_dir: run/, logs/, data/ and Prometheus' files
 PROMETHEUS, NODE_EXPORTER, PROXY_EXPORTER = "prometheus", "node-exporter", "proxy-exporter"
@@ -229,8 +229,8 @@ def observe_up(plan: Plan, inv: Inventory, r: ObserveRender, *, say: Callable[[s
         elif c.action in ("start", "replace") and c.new:
             starts.setdefault(c.host, []).append({"id": c.id, "cmd": c.new.cmd, "tag": c.new.tag})
         actions[c.host]["stop" if c.action == "stop" else "keep" if c.action == "keep" else "start"].append(c.id)
-    ops = EngineOps(inv, plan.cluster, "", "observe", DeployOptions(accept_new_host_keys=accept_new_host_keys), say,
-                    on_event)
+    ops = HostOps(inv, "", new_run_dir(plan.cluster, "observe"), say=say, on_event=on_event,
+                  accept_new_host_keys=accept_new_host_keys)
     files = ops.run_dir / "observe"
     write_observe(r, files)
     prom_files = ops.run_dir / "prometheus-files"
@@ -245,9 +245,9 @@ def observe_up(plan: Plan, inv: Inventory, r: ObserveRender, *, say: Callable[[s
         from kimictl.ansible import close_control_masters
 
         try:
-            ops._playbook("observe.yml", {
+            ops.playbook("observe.yml", {
                 "state_dir_of": ops.state_dir_of, "monitor_host": r.monitor_host, "prometheus_files": str(prom_files),
-                "bin": {"supervisor.py": str(SUPERVISOR_SRC), "proxy_exporter.py": str(PROXY_EXPORTER_SRC)},
+                "bin": {name: str(remote.source(name)) for name in ("supervisor.py", "proxy_exporter.py")},
                 "actions": {h: {"stop": stops.get(h, []), "start": starts.get(h, [])} for h in hosts},
                 "grace": STOP_GRACE_S}, hosts)
         finally:

@@ -31,7 +31,8 @@ ENGINE_KEY_ENV = "secrets/engine-api-key.env"
 # Next to proxy.sh in a release: runs a router copy's command inside the engines' image (container runtime).
 PROXY_CONTAINER_SCRIPT = "router.container.sh"
 ASCEND_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
-# Host paths the vllm-ascend docs bind into every container (vllm-ascend.md §2), read-only.
+# Host paths the vllm-ascend docs bind into every container, read-only:
+# https://github.com/vllm-project/vllm-ascend/blob/releases/v0.23.0/docs/source/installation.md
 ASCEND_MOUNTS = (
     "/usr/local/dcmi",
     "/usr/local/Ascend/driver/tools/hccn_tool",
@@ -66,7 +67,7 @@ class RenderedProxy(BaseModel):
 
 
 class Rendered(BaseModel):
-    """Everything `render` produces: the CONTRACT document plus the files per host."""
+    """Everything `render` produces: the contract document (docs/contract.md) plus the files per host."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -77,7 +78,7 @@ class Rendered(BaseModel):
     releases: dict[str, str]  # host -> release id (hash of that host's files)
 
     def contract(self) -> dict[str, Any]:
-        """`render --output json` (schema_version 1, see CONTRACT.md)."""
+        """`render --output json` (schema_version 1, see docs/contract.md)."""
         p = self.plan
         return {
             "schema_version": RENDER_SCHEMA_VERSION,
@@ -388,7 +389,7 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:
-    """Write each host's files under out_dir/<host>/ and the CONTRACT document as out_dir/render.json."""
+    """Write each host's files under out_dir/<host>/ and the contract document as out_dir/render.json."""
     written: list[Path] = []
     for host, files in rendered.files.items():
         for rel, content in files.items():

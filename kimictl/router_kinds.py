@@ -11,9 +11,10 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from kimictl import health
 from kimictl.errors import InvalidInput, KimictlError
 from kimictl.facts import DATA_DIR, Strict, _load
-from kimictl.health import Ready, engine_ready, http_get, http_request
+from kimictl.health import Ready, http_request
 
 # A client path every kind's front checks the API key on; a router without a models list answers it 404.
 CLIENT_PROBE_PATH = "/v1/models"
@@ -62,14 +63,15 @@ def router_kind(name: str) -> RouterKind:
 
 
 def proxy_ready(router: str | None, ip: str, port: int, served_name: str, timeout: float = 3.0,
-                api_key: str | None = None) -> Ready:
+                api_key: str | None = None, http: Any = None) -> Ready:
     """The proxy answers for its kind: /health (the front asks the router's own health path) and, for a router with a
     models list, the served name in it; for one without, both roles have engines in its health answer. A release
     recorded before router kinds ran vllm-router."""
     kind = router_kind(router or "vllm-router")
+    http = http or health
     if kind.models_path:
-        return engine_ready(ip, port, served_name, timeout, api_key)
-    code, text = http_get(f"http://{ip}:{port}/health", timeout, api_key)
+        return http.engine_ready(ip, port, served_name, timeout, api_key)
+    code, text = http.http_get(f"http://{ip}:{port}/health", timeout, api_key)
     if code != 200:
         return Ready(False, f"/health {code or 'unreachable'}: {text[:120]}")
     try:
@@ -81,7 +83,7 @@ def proxy_ready(router: str | None, ip: str, port: int, served_name: str, timeou
     if empty:
         return Ready(False, f"{kind.name} lists no {' and no '.join(empty)} engine")
     if api_key:  # /health is open; a client path tells whether the front takes this key (the router answers 404)
-        code, text = http_get(f"http://{ip}:{port}{CLIENT_PROBE_PATH}", timeout, api_key)
+        code, text = http.http_get(f"http://{ip}:{port}{CLIENT_PROBE_PATH}", timeout, api_key)
         if code in (0, 401, 403):
             return Ready(False, f"{CLIENT_PROBE_PATH} {code or 'unreachable'}: {text[:120]}")
     return Ready(True, "ready")

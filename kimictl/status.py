@@ -13,7 +13,7 @@ from kimictl.observe_up import monitoring_status
 from kimictl.router_kinds import RouterError, membership_client, proxy_ready
 from kimictl.secret_file import engine_api_key, proxy_admin_key, proxy_api_key
 from kimictl.ssh import Sessions, SSHError
-from kimictl.state import control_dir
+from kimictl.state import current as recorded_release
 
 STATUS_SCHEMA_VERSION = 1
 _SUPERVISOR_TO_STATE = {"starting": "starting", "backoff": "failed", "failed": "failed", "stopping": "stopped",
@@ -52,12 +52,11 @@ def _engine_metrics(ip: str, port: int) -> dict[str, Any]:
 
 
 def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool = True) -> dict[str, Any]:
-    """The CONTRACT `status --output json` document (schema_version 1)."""
+    """The `status --output json` document of docs/contract.md (schema_version 1)."""
+    record = recorded_release(inv.cluster.name)  # a damaged record: exit 2 before any host is contacted
     probes = _probe(inv, timeout)
     api_key = proxy_api_key(inv)
     engine_keys = {pd: engine_api_key(inv, pd) for pd in (True, False)}  # the key engines require, P/D or not
-    record_path = control_dir(inv.cluster.name) / "current.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else None
     engines: list[dict[str, Any]] = []
     proxy: dict[str, Any] | None = None
     drift: list[dict[str, Any]] = []
@@ -69,8 +68,8 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
                             "detail": str(got)})
             continue
         man = got["manifest"]
-        if record and man and record["hosts"].get(h.name) != man.get("release"):
-            drift.append({"host": h.name, "recorded": record["hosts"].get(h.name), "current": man.get("release")})
+        if record and man and record.hosts.get(h.name) != man.get("release"):
+            drift.append({"host": h.name, "recorded": record.hosts.get(h.name), "current": man.get("release")})
         if not man:
             continue
         served = served or man.get("served_model_name")
@@ -135,7 +134,7 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
         proxy.pop("admin_key", None)
     return {"schema_version": STATUS_SCHEMA_VERSION, "cluster": inv.cluster.name, "state": state,
             "served_model_name": served,
-            "release": record["release"] if record else None, "engines": engines, "proxy": proxy,
+            "release": record.release if record else None, "engines": engines, "proxy": proxy,
             "pairs": pairs, "drift": drift, "monitoring": monitoring_status(inv.cluster.name),
             "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -179,4 +178,4 @@ def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: st
     ok = code == 200 and moved_p > 0 and moved_d > 0
     return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "ok" if ok else "failed",
             "detail": f"HTTP {code}; prefill prompt tokens +{moved_p:.0f}, decode external prefix cache +{moved_d:.0f}"
-            + ("" if code == 200 else f": {str(body)[:200]}")}
+            + ("" if code == 200 else f": {health.body_text(body)}")}

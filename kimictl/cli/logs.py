@@ -59,8 +59,9 @@ def logs(
         if output == Output.json:
             emit_json(res.to_json())
         else:
+            kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(res.redactions_by_kind.items()))
             typer.echo(f"wrote {res.path}: {res.files} files, {res.bytes} bytes (gzip), {res.redactions} "
-                       f"redaction(s)" + (f" {res.redactions_by_kind}" if res.redactions else ""))
+                       f"redaction(s)" + (f" ({kinds})" if res.redactions else ""))
             for h, e in failed.items():
                 typer.echo(f"  {h}: not collected: {e}")
         if failed:

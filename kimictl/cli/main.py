@@ -12,7 +12,7 @@ app = typer.Typer(
     help="Deploy and operate Kimi K2.5 on Atlas 800 A2/A3 clusters with vLLM-Ascend, prefill/decode disaggregated.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
-    add_completion=False,
+    add_completion=True,
     rich_markup_mode=None,  # plain help: typer's rich help renderer costs ~130 ms per start
 )
 app.command()(static.topologies)
@@ -36,4 +36,4 @@ app.add_typer(observe.app, name="observe")
 
 
 def main() -> None:
-    app()
+    app(prog_name="kimictl")  # also under `python -m kimictl`: usage and completion say kimictl

@@ -8,8 +8,16 @@ from typing import Annotated
 
 import typer
 
-from kimictl.cli.common import InventoryOpt, Output, OutputOpt, TopologyOpt, emit_json, handle_errors
-from kimictl.cli.lifecycle import HostKeysOpt, _reporters
+from kimictl.cli.common import (
+    HostKeysOpt,
+    InventoryOpt,
+    Output,
+    OutputOpt,
+    TopologyOpt,
+    emit_json,
+    handle_errors,
+    reporters,
+)
 from kimictl.errors import EXIT_DEGRADED
 
 app = typer.Typer(help="Monitoring from the plan: Prometheus targets, rules and dashboards; Prometheus on the "
@@ -62,7 +70,8 @@ def up_cmd(
         "--print", help="Change nothing: print the scrape configs and rule files to merge into an existing "
                         "Prometheus (write the files with `observe render --out DIR`).")] = False,
     prefix: PrefixOpt = None,
-    ready_timeout: Annotated[float, typer.Option("--ready-timeout", help="Seconds to wait for Prometheus.")] = 120.0,
+    ready_timeout: Annotated[float, typer.Option(
+        "--scrape-timeout", help="Seconds to wait for Prometheus to scrape every target once.")] = 120.0,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -74,7 +83,7 @@ def up_cmd(
     if topology is None:
         from kimictl.errors import InvalidInput
         from kimictl.inventory import load_inventory
-        from kimictl.rollout import deployed_release, recorded_topology
+        from kimictl.rollout.run import deployed_release, recorded_topology
 
         cluster = load_inventory(inventory).cluster.name
         try:
@@ -93,7 +102,7 @@ def up_cmd(
         return
     from kimictl.observe_up import observe_up
 
-    say, on_event = _reporters("observe")
+    say, on_event = reporters("observe")
     res = observe_up(p.plan, p.inventory, r, say=say, on_event=on_event, ready_timeout=ready_timeout,
                      accept_new_host_keys=accept_new_host_keys)
     if output == Output.json:

@@ -308,7 +308,7 @@ class Sandbox:
 
     def _checkpoint(self, size: int, shards: int) -> Path:
         """A small Kimi-shaped W4A8 checkpoint, generated once per sandbox dir (deterministic)."""
-        from kimictl.weights.checkpoint import generate_checkpoint
+        from kimictl.sandbox.checkpoint import generate_checkpoint
 
         dest = self.dir / "checkpoint"
         stamp = self.dir / "checkpoint.json"
@@ -325,7 +325,7 @@ class Sandbox:
         url_file = self.dir / "hub.url"
         url_file.unlink(missing_ok=True)
         with open(url_file, "wb") as out, open(self.dir / "hub.log", "ab") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "kimictl.weights.fakehub", "--repo",
+            proc = subprocess.Popen([sys.executable, "-m", "kimictl.sandbox.fakehub", "--repo",
                                      f"{client.MODEL_ID}={checkpoint}", "--host", ip, "--port", "0",
                                      "--log-file", str(self.dir / "hub.log")],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
@@ -560,7 +560,7 @@ class Sandbox:
             if p == os.getpid() or not argv or not system.alive(p):
                 continue
             prog = Path(argv[0]).name
-            if "kimictl.weights.fakehub" in argv and any(a.endswith(hub_repo) for a in argv):
+            if "kimictl.sandbox.fakehub" in argv and any(a.endswith(hub_repo) for a in argv):
                 found.append((p, "fake hub", argv))
                 continue
             if not any(marker in a for a in argv):

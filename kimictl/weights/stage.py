@@ -1,6 +1,6 @@
 """Stage the checkpoint on every host: sharded hub pull + peer all-gather, control push, shared verify.
 
-The control node computes and schedules; one agent per host (kimictl/weights/agent.py, over one SSH channel)
+The control node computes and schedules; one agent per host (kimictl/remote/weights_agent.py, over one SSH channel)
 moves and verifies bytes. The hosts pull disjoint shares from the hub, each taking the next file from one queue
 whenever its hub pull is free; every file a host has verified becomes a source for the others at once (rarest
 first, bounded streams per host, so a file fans out through a tree of hosts rather than from its first owner
@@ -27,11 +27,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kimictl.errors import HostError, InvalidInput, KimictlError
+from kimictl import state
+from kimictl.errors import HostError, InvalidInput, KimictlError, StateError
 from kimictl.inventory import Inventory
+from kimictl.remote import weights_agent as agent_mod
 from kimictl.ssh import Session, Sessions, SSHError, Target, ansible_host_key_args, target_for
-from kimictl.state import control_dir, write_manifest
-from kimictl.weights import agent as agent_mod
+from kimictl.state import control_dir
 
 AGENT_SRC = Path(agent_mod.__file__)
 # The hub clients' own tqdm bars would tear through ours; tqdm reads this once, when it is imported.
@@ -137,28 +138,25 @@ def load_manifest(inv: Inventory, token: str | None, source_dir: Path | None = N
     from kimictl.weights.manifest import Manifest, fetch_manifest, local_manifest
 
     c = inv.cluster
-    cached = control_dir(c.name) / "weights-manifest.json"
     if source_dir is not None:
         m = local_manifest(source_dir, model_id=c.kimi_model_id)
     elif c.kimi_model_source == "local" or not refresh:
-        try:
-            m = Manifest.from_json(cached.read_text())
-        except (OSError, ValueError):
+        text = state.read_manifest_cache(c.name)
+        if text is None:
             if c.kimi_model_source == "local":
                 raise InvalidInput(f"kimi_model_source is local and no manifest is recorded for cluster {c.name}",
-                                   hint="run `kimictl weights pull --mode control --from DIR` once") from None
-            if refresh:
-                raise
+                                   hint="run `kimictl weights pull --mode control --from DIR` once")
             return load_manifest(inv, token, refresh=True)
+        try:
+            m = Manifest.from_json(text)
+        except InvalidInput as exc:
+            raise StateError(f"the cached weights manifest of cluster {c.name} is damaged: {exc.message}",
+                             details=exc.details, hint=f"delete {control_dir(c.name) / state.MANIFEST_CACHE}; "
+                             "`kimictl weights pull` records it again") from None
     else:
         m = fetch_manifest(c.kimi_model_source, c.kimi_model_id, c.model_revision, c.kimi_model_endpoint, token,
                            timeout=timeout)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(m.to_json())
-    tmp.replace(cached)
-    write_manifest(c.name, [f.model_dump() for f in m.files],
-                   {"source": m.source, "model_id": m.model_id, "revision": m.revision, "digest": m.digest()})
+    state.write_manifest_cache(c.name, m.to_json())
     return m
 
 
@@ -275,8 +273,7 @@ class Stager:
         self.secrets = [s for s in (self.opts.token,) if s]
         self.reports = {h.name: HostReport(h.name, files=len(self.order)) for h in inv.hosts}
         self.links: dict[str, AgentLink] = {}
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        self.run_dir = control_dir(self.c.name) / "runs" / f"{stamp}-weights"
+        self.run_dir = state.new_run_dir(self.c.name, "weights")
         self.key_comment = f"kimictl-weights:{self.c.name}"
         self.peer_sources: set[str] = set()   # addresses the hosts reach each other from (the key's from=)
         self.prepared = self.cleaned = False

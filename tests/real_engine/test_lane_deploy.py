@@ -16,7 +16,7 @@ from conftest import TINY_ID, TOPOLOGIES, engine_cmdline, lane_inventory, run_js
 
 from kimictl import health
 from kimictl.facts import engine_profile
-from kimictl.weights.fakehub import FakeHub
+from kimictl.sandbox.fakehub import FakeHub
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.sandbox, pytest.mark.slow]
 PROFILE = engine_profile("cpu-smoke")

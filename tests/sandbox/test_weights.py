@@ -209,7 +209,7 @@ def test_unsafe_listing_is_refused_before_any_byte_is_written(sb):
 def test_hub_token_never_shows(sb, tmp_path):
     """From the environment or a token file, the token reaches the hub and nothing else: no output, no file on the
     control node (Ansible's artifacts included) or a host, no process's command line while the pulls run."""
-    from kimictl.weights.fakehub import FakeHub
+    from kimictl.sandbox.fakehub import FakeHub
 
     token = "kimi-secret-7f3a9c1e5b"
     inv = yaml.safe_load(sb.inventory.read_text())

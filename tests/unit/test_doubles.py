@@ -1,4 +1,4 @@
-"""Output shapes of the npu-smi and hccn_tool doubles (model-hub-hardware.md Part D), without root."""
+"""Output shapes of the npu-smi and hccn_tool doubles (those of real Atlas 800 A2/A3 hosts), without root."""
 
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
 """Code that runs on the hosts' own python3 must run on the host Python floor (kimictl.HOST_PYTHON_FLOOR, 3.9).
 
-The host-side files are the ones pyproject.toml gives ruff's floor target (per-file-target-version); the scripts
-that kimictl sends as strings are listed here. The runs need a floor interpreter on this machine
-(kimictl.sandbox.system.floor_python); scripts/test.sh also runs the host-side tests under it.
+The host-side files are the ones pyproject.toml gives ruff's floor target (per-file-target-version): kimictl/remote/
+and the sandbox's engine simulator and doubles (tests/unit/test_remote.py also imports kimictl/remote/ in a bare
+interpreter). The runs need a floor interpreter on this machine (kimictl.sandbox.system.floor_python);
+scripts/test.sh also runs the host-side tests under it.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -21,14 +19,6 @@ from kimictl.sandbox.system import floor_python
 
 REPO = Path(__file__).resolve().parents[2]
 FLOOR = "py" + "".join(map(str, HOST_PYTHON_FLOOR))
-# scripts kimictl runs on hosts as `python3 - ARG` (module, name, ARG for a run against an empty state dir)
-EMBEDDED = [
-    ("kimictl.lifecycle", "_READ_CURRENT", lambda sd: sd),
-    ("kimictl.logs", "_TAIL_SCRIPT", lambda sd: json.dumps({"sd": sd, "lines": 5})),
-    ("kimictl.logs", "_BUNDLE_SCRIPT", lambda sd: json.dumps({"sd": sd, "cap": 4096, "npus": 1, "model_dir": sd})),
-]
-
-
 def host_globs() -> dict[str, str]:
     return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["ruff"]["per-file-target-version"]
 
@@ -64,19 +54,6 @@ def test_host_files_load_on_the_floor_python(floor):
                            capture_output=True, text=True, timeout=60, check=False)
         assert r.returncode == 0, f"{f.relative_to(REPO)} on {floor}:\n{r.stderr[-2000:]}"
 
-
-@pytest.mark.parametrize(("module", "name", "arg"), EMBEDDED, ids=[n for _, n, _ in EMBEDDED])
-def test_embedded_host_scripts_parse_and_run_on_the_floor(module, name, arg, tmp_path, floor):
-    script = getattr(importlib.import_module(module), name)
-    ruff = Path(sys.executable).with_name("ruff")   # syntax the floor lacks is an error at any rule selection
-    lint = subprocess.run([str(ruff), "check", "--no-cache", "--target-version", FLOOR, "--select", "F",
-                           "--stdin-filename", f"{name}.py", "-"], input=script, capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert lint.returncode == 0, lint.stdout
-    run = subprocess.run([floor, "-I", "-S", "-", arg(str(tmp_path))], input=script, capture_output=True,
-                         text=True, timeout=60, check=False)
-    assert run.returncode == 0, run.stderr
-    json.loads(run.stdout)
 
 
 def test_floor_python_takes_the_newest_interpreter_that_says_it_is_the_floor(tmp_path, monkeypatch):

@@ -240,7 +240,7 @@ def test_res001_says_why_it_judges_disk_room_against_the_estimate(tmp_path: Path
     """A hub listing that cannot be read does not stop preflight, but RES-001 says why it used the estimate."""
     from kimictl.facts import model_facts
     from kimictl.preflight import Probe, _host_checks, _Judge, checkpoint_bytes
-    from kimictl.weights.fakehub import FakeHub
+    from kimictl.sandbox.fakehub import FakeHub
 
     monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "state"))
     for name in ("MODELSCOPE_API_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):

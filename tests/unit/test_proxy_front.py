@@ -1,4 +1,4 @@
-"""The proxy front (kimictl/proxy_front.py) in front of stand-in routers: API key, the admin channel, failover,
+"""The proxy front (kimictl/remote/proxy_front.py) in front of stand-in routers: API key, the admin channel, failover,
 rolling reloads without client errors, HTTP framing, hostile clients, Python 3.9."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-FRONT = Path(__file__).parents[2] / "kimictl" / "proxy_front.py"
+FRONT = Path(__file__).parents[2] / "kimictl" / "remote" / "proxy_front.py"
 FAKE_ROUTER = Path(__file__).parent / "data" / "fake_router.py"
 KEY = "k-7f3a9c1e"
 # Hosts run the front with their own python3: KIMICTL_HOST_PYTHON=/path/python3.9 checks another one (scripts/test.sh).
@@ -342,7 +342,7 @@ def test_router_admin_api_is_closed_to_client_keys(front: Front) -> None:
         code, doc = front.request("GET", f"/kimictl/router/{i}/workers", key=ADMIN)
         assert code == 200 and [w["url"] for w in doc["workers"]] == workers
     # kimictl's own drain (rollout's RouterAdmin) goes through the admin channel.
-    from kimictl.rollout import RouterAdmin, RouterError
+    from kimictl.rollout.router import RouterAdmin, RouterError
 
     admin = RouterAdmin(f"http://127.0.0.1:{front.port}/kimictl/router/1", api_key=ADMIN)
     admin.remove("http://10.0.0.2:7100")

@@ -218,7 +218,7 @@ def test_front_limits_come_from_the_topology_and_the_front_accepts_them() -> Non
                                                    io_timeout_s=60, idle_timeout_s=20)})
     script = render(make_plan(inv, tuned), inv, tuned).files["a3-node-01"]["proxy/proxy.sh"]
     argv = shlex.split(script.split("exec ", 1)[1].replace("\\\n", " "))
-    spec = importlib.util.spec_from_file_location("proxy_front_parser", ROOT / "kimictl" / "proxy_front.py")
+    spec = importlib.util.spec_from_file_location("proxy_front_parser", ROOT / "kimictl" / "remote" / "proxy_front.py")
     front = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(front)
     args = front.parser().parse_args(argv[2:argv.index("--")])  # the front's own parser: no flag it does not know

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kimictl import supervisor as sv
+from kimictl.remote import supervisor as sv
 
 SUP = Path(sv.__file__).resolve()
 PY = sys.executable

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from kimictl.errors import InvalidInput
-from kimictl.weights import agent as agent_mod
-from kimictl.weights.agent import Agent, file_digest, parse_peer_command, rsync_serve, unsafe_name
-from kimictl.weights.checkpoint import checkpoint_manifest, generate_checkpoint
+from kimictl.remote import weights_agent as agent_mod
+from kimictl.remote.weights_agent import Agent, file_digest, parse_peer_command, rsync_serve, unsafe_name
+from kimictl.sandbox.checkpoint import checkpoint_manifest, generate_checkpoint
 from kimictl.weights.manifest import local_manifest, unsafe_reason
 from kimictl.weights.stage import HubQueue, agent_command, read_token
 

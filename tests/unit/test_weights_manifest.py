@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from kimictl.errors import EXIT_INVALID, InvalidInput
+from kimictl.sandbox.checkpoint import DESCRIPTION_NAME, INDEX_NAME, checkpoint_manifest, generate_checkpoint
+from kimictl.sandbox.fakehub import MALICIOUS_NAMES, FakeHub
 from kimictl.weights import manifest as wm
-from kimictl.weights.checkpoint import DESCRIPTION_NAME, INDEX_NAME, checkpoint_manifest, generate_checkpoint
-from kimictl.weights.fakehub import MALICIOUS_NAMES, FakeHub
 from kimictl.weights.manifest import (
     FileEntry,
     HubAuthError,
