@@ -453,7 +453,13 @@ class Rollout:
     def _proxy_gate(self, slices: list[Slice], attempts_per_endpoint: int = 8, timeout: float = 120.0,
                     ) -> dict[str, Any]:
         """Requests through the deployed proxy until every endpoint of the batch served its side of a P/D hand-over
-        (counters moved) and the other side's counters moved too; every request must succeed."""
+        (counters moved) and the other side's counters moved too; every request must succeed. They go in waves of
+        as many at once as the role has endpoints, per router copy (the front spreads connections over the copies):
+        a round-robin router spreads any sequence, but one that picks the least loaded engine, first by order of
+        joining (vllm-ascend's proxy), sends one request at a time to the same idle engine, and a re-added engine
+        joined last."""
+        from concurrent.futures import ThreadPoolExecutor
+
         assert self.new.proxy is not None
         url = f"http://{self.new.proxy.host}:{self.new.proxy.port}/v1/completions"
         eps = [ep for s in slices for ep in s.endpoints]
@@ -463,26 +469,33 @@ class Rollout:
         def total(ep: Endpoint) -> float:
             return self.http.metric_totals(ep.ip, ep.port).get(counter[ep.role], 0.0)
 
+        def probe(_: int) -> tuple[int, Any]:
+            # A fresh prefix per request, so cache- or prefix-aware policies spread them like round robin does;
+            # a few tokens, so the requests of a wave overlap.
+            prompt = f"rollout probe {uuid.uuid4().hex}: {health.smoke_prompt(64)}"
+            return self.http.http_post_json(url, {"model": self.served_model_name, "prompt": prompt,
+                                                  "max_tokens": 8}, timeout=60, api_key=self.api_key)
+
         before = {ep.engine: total(ep) for ep in eps}
         other_before = sum(total(ep) for ep in others)
         n_role = sum(len(s.endpoints) for s in self.slices.values() if s.role == eps[0].role)
+        wave = n_role * max(1, len(self.new.proxy.routers))
         sent = 0
         waiting = set(before)
         deadline = time.monotonic() + timeout
-        for _ in range(attempts_per_endpoint * n_role):
-            # A fresh prefix per request, so cache- or prefix-aware policies spread them like round robin does.
-            prompt = f"rollout probe {uuid.uuid4().hex}: {health.smoke_prompt(64)}"
-            code, body = self.http.http_post_json(url, {"model": self.served_model_name, "prompt": prompt,
-                                                        "max_tokens": 2}, timeout=60, api_key=self.api_key)
-            sent += 1
-            if code != 200:
-                raise HostError(f"a request through the proxy failed after re-adding "
-                                f"{', '.join(s.name for s in slices)}: HTTP {code}: {health.body_text(body)}",
-                                host=self.new.proxy.host_name, step="proxy smoke",
-                                log_tail=self.ops.log_tail(self.new.proxy.host_name, "proxy"))
-            waiting = {e for e in waiting if total(next(x for x in eps if x.engine == e)) <= before[e]}
-            if not waiting or time.monotonic() > deadline:
-                break
+        with ThreadPoolExecutor(max_workers=wave) as pool:
+            for _ in range(attempts_per_endpoint):
+                answers = list(pool.map(probe, range(wave)))
+                sent += len(answers)
+                bad = next(((code, body) for code, body in answers if code != 200), None)
+                if bad:
+                    raise HostError(f"a request through the proxy failed after re-adding "
+                                    f"{', '.join(s.name for s in slices)}: HTTP {bad[0]}: {health.body_text(bad[1])}",
+                                    host=self.new.proxy.host_name, step="proxy smoke",
+                                    log_tail=self.ops.log_tail(self.new.proxy.host_name, "proxy"))
+                waiting = {e for e in waiting if total(next(x for x in eps if x.engine == e)) <= before[e]}
+                if not waiting or time.monotonic() > deadline:
+                    break
         moved_other = sum(total(ep) for ep in others) - other_before
         if waiting or moved_other <= 0:
             ep = next(x for x in eps if x.engine in waiting) if waiting else eps[0]
