@@ -290,6 +290,7 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
     if any(k not in (nd.template.get("envs") or {}) for nd in nodes for k in timeouts):
         out.deviate("hccl-timeouts", ", ".join(f"{k}={v}" for k, v in timeouts.items()) + " on every engine")
     out.deviate("host-ip", "VLLM_HOST_IP=<host IP> on every engine")
+    out.deviate("engine-bind", "engines listen on --host <host IP>, not 0.0.0.0")
     if ver.env_prepend:
         out.deviate("mooncake-lib-path", "LD_LIBRARY_PATH prepended: " + ", ".join(ver.env_prepend.values()))
     if ver.preload:

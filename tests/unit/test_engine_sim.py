@@ -949,6 +949,8 @@ def test_rendered_a3_pd_argv_runs_and_moves_kv_both_sides(simhost, tmp_path):
     def launch(engine_id: str, kv_width: int) -> tuple[Sim, int]:
         e = engines[engine_id]
         argv = list(e.argv[3:])  # after `vllm serve MODEL`
+        assert argv[argv.index("--host") + 1] == e.host_ip  # engines listen on their host's business IP
+        argv[argv.index("--host") + 1] = "127.0.0.1"  # this one fake host answers on loopback
         argv[argv.index("--port") + 1] = str(free_port())
         i = argv.index("--kv-transfer-config") + 1
         kv = json.loads(argv[i])

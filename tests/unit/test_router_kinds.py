@@ -143,7 +143,7 @@ def test_a_policy_with_the_upstream_proxy_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_proxy_tag_covers_every_file_the_proxy_runs(tmp_path: Path) -> None:
-    from kimictl.deploy import process_tag
+    from kimictl.hostops import process_tag
 
     _, r = _plan_render(tmp_path)
     files = dict(r.files["a3-node-01"])
