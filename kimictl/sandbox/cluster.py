@@ -533,7 +533,7 @@ class Sandbox:
         for mp in system.mounts_under(self.dir):
             system.run(["umount", "-l", mp], check=False)
             removed.append(f"mount {mp}")
-        for name in ("hosts", "cp", "bin", "shared", "checkpoint"):
+        for name in ("hosts", "cp", "bin", "shared", "checkpoint", "vllm-ascend"):
             shutil.rmtree(self.dir / name, ignore_errors=True)
         shutil.rmtree(client.control_dir(self.dir), ignore_errors=True)
         for name in ("inventory.yml", "ssh_config", "known_hosts", "id_ed25519", "id_ed25519.pub",
