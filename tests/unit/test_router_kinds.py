@@ -150,3 +150,50 @@ def test_the_proxy_tag_covers_every_file_the_proxy_runs(tmp_path: Path) -> None:
     before = process_tag(files, "proxy")
     files["proxy/router.container.sh"] += "# changed\n"
     assert process_tag(files, "proxy") != before
+
+
+def _key(tmp_path: Path, text: str = "sk-client-key-71c2") -> Path:
+    key = tmp_path / "client-key"
+    key.write_text(text + "\n")
+    key.chmod(0o600)
+    return key
+
+
+def test_keyed_engines_read_their_key_from_a_0600_env_file_never_a_rendered_file(tmp_path: Path) -> None:
+    key = _key(tmp_path)
+    plan, r = _plan_render(tmp_path, kimi_api_key_file=str(key))
+    assert plan.engine_api_key
+    env_file = "/var/lib/kimi/secrets/engine-api-key.env"
+    container = r.files["a3-node-02"]["engines/decode-0-dp0.container.sh"]
+    assert f"--env-file {env_file}" in container  # docker reads it; the key is on no command line
+    proxy = r.files["a3-node-01"]["proxy/proxy.sh"]
+    assert f". {env_file}" in proxy and 'export OPENAI_API_KEY="$VLLM_API_KEY"' in proxy
+    assert "sk-client-key-71c2" not in r.model_dump_json()
+    _, host = _plan_render(tmp_path, kimi_api_key_file=str(key), kimi_runtime="host",
+                           kimi_proxy_script=f"/opt/vllm-ascend/{SCRIPT}")
+    assert f". {env_file}" in host.files["a3-node-02"]["engines/decode-0-dp0.sh"]
+    _, open_ = _plan_render(tmp_path)  # no client key: no engine key either
+    assert "engine-api-key" not in json.dumps(open_.files)
+
+
+def test_vllm_router_cannot_send_the_engines_key_so_it_is_refused_with_one(tmp_path: Path) -> None:
+    base = load_topology("a3-pd")
+    decode = base.roles["decode"].model_copy(update={"switches": {"mlapo": True}})
+    topo = _topo(router="vllm-router").model_copy(update={"roles": {**base.roles, "decode": decode}})
+    with pytest.raises(PlanError) as exc:
+        _plan_render(tmp_path, topo, kimi_api_key_file=str(_key(tmp_path)))
+    assert "--api-key" in exc.value.message and "vllm-ascend-proxy" in exc.value.hint
+
+
+def test_the_engines_key_is_kimictls_own_in_pd_and_the_clients_colocated(tmp_path: Path, monkeypatch) -> None:
+    from kimictl.secret_file import engine_api_key, engine_key_file
+
+    monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "state"))
+    inv = load_inventory(_inv(tmp_path, kimi_api_key_file=str(_key(tmp_path))))
+    assert engine_key_file(inv, pd=True) is None  # not made yet: only deploy and rollout make it
+    made = engine_key_file(inv, pd=True, create=True)
+    assert made and made.stat().st_mode & 0o777 == 0o600
+    pd_key = engine_api_key(inv, pd=True)
+    assert pd_key and pd_key != "sk-client-key-71c2" and engine_key_file(inv, pd=True, create=True) == made
+    assert engine_api_key(inv, pd=False) == "sk-client-key-71c2"
+    assert engine_api_key(load_inventory(_inv(tmp_path)), pd=True) is None
