@@ -5,11 +5,9 @@ npu-exporter double reads the same fault state as hccn_tool), an engine killed w
 from __future__ import annotations
 
 import json
-import os
 import time
 import urllib.parse
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +15,7 @@ import yaml
 from conftest import _bring_up, kimictl
 
 from kimictl.observe import load_config, seconds
+from kimictl.secret_file import proxy_admin_key
 
 pytestmark = pytest.mark.sandbox
 
@@ -92,12 +91,11 @@ def test_a_drain_left_behind_and_a_link_down_fire(monitored):
     sb = monitored
     proxy = f"http://{sb.host('atlas-01')['ip']}:8000"
     decode = f"{sb.host('atlas-02')['ip']}:7101"
-    cluster = yaml.safe_load(sb.inventory.read_text())["all"]["vars"]["kimi_cluster"]
-    admin = (Path(os.environ["KIMICTL_STATE_DIR"]) / cluster / "secrets" / "proxy-admin-key").read_text().strip()
     # drain decode-0-dp1 from router copy 0 (vllm-ascend's proxy, idle: removed at once), with kimictl's admin key
     req = urllib.request.Request(f"{proxy}/kimictl/router/0/instances/remove", method="POST",
                                  data=json.dumps({"type": "decode", "instances": [decode]}).encode(),
-                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {admin}"})
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {proxy_admin_key(sb.state['cluster'])}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200 and decode not in json.loads(r.read())["current_decode_instances"]
     sb.fault("link-down:atlas-01:3")

@@ -298,7 +298,7 @@ def test_new_host_keys_are_learnt_for_probes_and_playbooks(deployed, fresh_known
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert set(kh_pf.read_text().splitlines()) == _host_key_lines(sb)
     inv, kh = fresh_known_hosts("kh-start")
-    proc = ops("start", "-i", str(inv), "--accept-new-host-keys", "--output", "json")
+    proc = ops("start", "-i", str(inv), "--yes", "--accept-new-host-keys", "--output", "json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["result"] == "started"
     assert set(kh.read_text().splitlines()) == _host_key_lines(sb)
