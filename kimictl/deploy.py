@@ -290,7 +290,8 @@ def change_diffs(inv: Inventory, rendered: Rendered, changes: list[Change]) -> d
             old_script = c.old["cmd"][-1] if c.old.get("cmd") else ""
             rel_dir = old_script.rsplit("/engines/", 1)[0] if "/engines/" in old_script else \
                 old_script.rsplit("/proxy/", 1)[0]
-            files = ([f"engines/{c.id}.env", f"engines/{c.id}.sh"] if c.id != "proxy" else ["proxy/proxy.sh"])
+            files = ([f"engines/{c.id}.env", f"engines/{c.id}.sh"] if c.id != "proxy" else
+                     sorted(p for p in rendered.files[name] if p.startswith("proxy/")))
             for rel in files:
                 texts[f"{c.id}|{rel}"] = s.run(f"cat {rel_dir}/{rel} 2>/dev/null || true").stdout
         return texts
