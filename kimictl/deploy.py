@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kimictl import health, state
-from kimictl.errors import HostError, InvalidInput, KimictlError
+from kimictl.errors import HostError, InvalidInput, KimictlError, guide
 from kimictl.hostops import ROLLBACK_READY_TIMEOUT_S, Change, HostOps, Proc, compute_changes, desired_procs
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
@@ -82,7 +82,8 @@ class Deployer:
                                                     "temperature": 0}, api_key=self.ops.api_key)
         if code != 200 or not isinstance(body, dict) or not body.get("choices"):
             raise HostError(f"smoke completion through {url} failed: HTTP {code}: {health.body_text(body, 300)}",
-                            host=self.plan.proxy.host if self.plan.proxy else engines[0].host, step="smoke")
+                            host=self.plan.proxy.host if self.plan.proxy else engines[0].host, step="smoke",
+                            hint=guide("t-smoke"))
         after = {p.id: self.http.metric_totals(p.ip, p.port) for p in engines}
 
         def moved(role: str, metric: str) -> float:
@@ -96,7 +97,8 @@ class Deployer:
                 raise HostError("smoke completion did not go prefill -> decode (KV-transfer counters: prefill "
                                 f"{result['prefill_prompt_tokens']:.0f}, decode "
                                 f"{result['decode_external_prefix_cache_queries']:.0f}); a silent decode-only "
-                                "fallback is a failed deploy", host=self.plan.proxy.host, step="smoke")
+                                "fallback is a failed deploy", host=self.plan.proxy.host, step="smoke",
+                                hint=guide("t-no-kv"))
         else:
             result["generation_tokens"] = moved("colocated", health.GENERATION_COUNTER)
         return result
@@ -288,7 +290,8 @@ def change_diffs(inv: Inventory, rendered: Rendered, changes: list[Change]) -> d
             old_script = c.old["cmd"][-1] if c.old.get("cmd") else ""
             rel_dir = old_script.rsplit("/engines/", 1)[0] if "/engines/" in old_script else \
                 old_script.rsplit("/proxy/", 1)[0]
-            files = ([f"engines/{c.id}.env", f"engines/{c.id}.sh"] if c.id != "proxy" else ["proxy/proxy.sh"])
+            files = ([f"engines/{c.id}.env", f"engines/{c.id}.sh"] if c.id != "proxy" else
+                     sorted(p for p in rendered.files[name] if p.startswith("proxy/")))
             for rel in files:
                 texts[f"{c.id}|{rel}"] = s.run(f"cat {rel_dir}/{rel} 2>/dev/null || true").stdout
         return texts

@@ -251,6 +251,7 @@ class EngineProfile(Strict):
     kv_transfer: KvTransfer | None = None  # None: the version profile's connector (MooncakeConnectorV1)
     min_ready_timeout_s: float = 0.0       # floor for deploy's readiness wait (start-up dominated by imports)
     metrics: EngineMetrics                 # what "busy" and "served something" are called on its /metrics
+    router: str = "vllm-ascend-proxy"      # the P/D router (data/routers.yml) when the topology names none
 
     def facts(self, model_id: str | None = None) -> ModelFacts:
         """The profile's own model, else the facts kimi_model_id names (Kimi K2.5 W4A8 when unknown)."""
