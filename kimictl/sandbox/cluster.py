@@ -88,6 +88,8 @@ class SandboxState(BaseModel):
     faults: list[str] = Field(default_factory=list)
     # engine-crash spares the releases running when it was injected: it models a bad *new* release
     spare_tags: dict[str, list[str]] = Field(default_factory=dict)
+    # engine-hang-now hangs the engines running when it was injected (spec -> epoch seconds); a restart cures them
+    hang_since: dict[str, float] = Field(default_factory=dict)
     hub_url: str | None = None
     hub_pid: int | None = None
     hub_started: str | None = None
@@ -761,6 +763,8 @@ class Sandbox:
             self._take_port(state, hs, int(f.arg or 0))
         elif f.kind == "engine-crash":
             state.spare_tags[h.name] = self._running_tags(state, h)
+        elif f.kind == "engine-hang-now":
+            state.hang_since[f.spec] = time.time()
         elif f.kind in ("npu-unhealthy", "engine-crash", "engine-hang", "kv-pressure"):
             pass   # faults.json only: the doubles and the engine simulator read it on every call
 
@@ -774,6 +778,7 @@ class Sandbox:
             state.faults.remove(spec)
             if spec.startswith("engine-crash:"):
                 state.spare_tags.pop(parse_fault(spec).host, None)
+            state.hang_since.pop(spec, None)
 
     def _undo(self, state: SandboxState, f: Fault) -> None:
         h, hs = self._host(state, f.host)
@@ -892,7 +897,7 @@ class Sandbox:
                         subnet = ".".join(peer.device_ips[0].split(".")[:3]) + ".0/24"
                         doc = apply_to_doc(doc, Fault("cut-route", h.name, peer.name), peer_subnet=subnet)
                 elif f.host == h.name:
-                    doc = apply_to_doc(doc, f)
+                    doc = apply_to_doc(doc, f, since=state.hang_since.get(spec))
             if "engine_crash_at_start" in doc and state.spare_tags.get(h.name):
                 doc["engine_crash_spare_tags"] = state.spare_tags[h.name]
             _write(h.sim_dir / "faults.json", json.dumps(doc, indent=2) + "\n")

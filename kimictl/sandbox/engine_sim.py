@@ -1084,6 +1084,17 @@ class Simulator:
             return None
         return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
+    def hung(self) -> bool:
+        """faults.json engine_hang_since {role: epoch seconds} (sandbox fault engine-hang-now): an engine of that role
+        started before that moment stops answering completions (they stall until it is restarted or the fault is
+        cleared) while /health, /v1/models and /metrics keep answering; read on every request."""
+        try:
+            since = load_faults(self.state_dir).get("engine_hang_since") or {}
+        except SimError:
+            return False
+        at = [v for k, v in since.items() if k in ("*", self.cfg.role) and isinstance(v, (int, float))]
+        return any(self.started < v for v in at)
+
     def link_down(self, core: EngineCore) -> list[int]:
         """This engine's NPUs whose device (RoCE) link is down per faults.json, read on every transfer."""
         try:
@@ -1507,6 +1518,10 @@ class ApiHandler(BaseHTTPRequestHandler):
 
     def _completion(self, body: dict[str, Any], chat: bool) -> None:
         sim = self.sim
+        if sim.hung():
+            log.warning("simulated fault engine_hang_since: this completion stalls until a restart")
+            while sim.hung() and not sim.stop.wait(0.5):
+                pass
         ignored = sorted(set(body) - KNOWN_REQUEST_FIELDS)
         if ignored:
             log.warning("The following fields were present in the request but ignored: %s", set(ignored))

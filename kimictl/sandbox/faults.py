@@ -26,6 +26,7 @@ KINDS: dict[str, tuple[tuple[str, ...], int]] = {
     "cut-route": (("peer",), 1),
     "engine-crash": (("role",), 0),
     "engine-hang": (("role",), 0),
+    "engine-hang-now": (("role",), 0),
     "port-taken": (("port",), 1),
     "kv-pressure": (("tokens",), 0),
     "clear": ((), 0),
@@ -34,7 +35,8 @@ DEFAULT_KV_PRESSURE_TOKENS = 4
 
 USAGE = ("npu-unhealthy:HOST:NPU, link-down:HOST:NPU, driver-mismatch:HOST[:VERSION], small-disk:HOST[:SIZE], "
          "host-down:HOST, slow-link:HOST:RATE, cut-route:HOST:HOST, engine-crash:HOST[:ROLE], "
-         "engine-hang:HOST[:ROLE], port-taken:HOST:PORT, kv-pressure:HOST[:TOKENS], clear:HOST|all")
+         "engine-hang:HOST[:ROLE], engine-hang-now:HOST[:ROLE], port-taken:HOST:PORT, kv-pressure:HOST[:TOKENS], "
+         "clear:HOST|all")
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ def parse_fault(spec: str, hosts: list[str] | None = None, npus: int | None = No
         arg = raw or DEFAULT_DRIVER_MISMATCH
         if not _VERSION.fullmatch(str(arg)):
             raise _bad(spec, str(arg), "VERSION must look like 23.0.rc3")
-    elif kind in ("engine-crash", "engine-hang"):
+    elif kind in ("engine-crash", "engine-hang", "engine-hang-now"):
         arg = raw or "*"
         if arg not in ROLES:
             raise _bad(spec, str(arg), f"ROLE must be one of {', '.join(ROLES)}")
@@ -118,8 +120,9 @@ def parse_fault(spec: str, hosts: list[str] | None = None, npus: int | None = No
     return Fault(kind, host, arg)
 
 
-def apply_to_doc(doc: dict, fault: Fault, *, peer_subnet: str | None = None) -> dict:
-    """Return faults.json content for fault.host after adding fault (pure; the doubles read these keys)."""
+def apply_to_doc(doc: dict, fault: Fault, *, peer_subnet: str | None = None, since: float | None = None) -> dict:
+    """Return faults.json content for fault.host after adding fault (pure; the doubles read these keys). `since`:
+    when engine-hang-now was injected (engines started before it hang; a restarted one does not)."""
     out = {k: (list(v) if isinstance(v, list) else v) for k, v in doc.items()}
 
     def add(key: str, value: object) -> None:
@@ -135,6 +138,10 @@ def apply_to_doc(doc: dict, fault: Fault, *, peer_subnet: str | None = None) -> 
         add("engine_crash_at_start", fault.arg)
     elif fault.kind == "engine-hang":
         add("engine_hang_in_load", fault.arg)
+    elif fault.kind == "engine-hang-now":
+        if since is None:
+            raise ValueError("engine-hang-now needs the moment it was injected")
+        out["engine_hang_since"] = {**(out.get("engine_hang_since") or {}), str(fault.arg): since}
     elif fault.kind == "cut-route":
         add("cut_routes", peer_subnet or fault.arg)
     elif fault.kind == "port-taken":

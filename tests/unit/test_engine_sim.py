@@ -467,6 +467,25 @@ def test_hang_fault_never_opens_the_port(simhost):
     assert len(list((simhost.state / "claims").glob("npu*"))) == 4, "a hung engine still holds its NPUs"
 
 
+def test_hang_now_fault_stalls_completions_of_a_running_engine_but_not_its_health(simhost):
+    """engine-hang-now: an engine started before the fault keeps answering /health and /metrics while its
+    completions stall; clearing the fault lets them through; an engine started after it is not hung."""
+    sim = simhost.start(colocated_argv(free_port()))
+    sim.wait_ready()
+    body = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 2}
+    assert http("POST", f"{sim.url}/v1/completions", body)[0] == 200
+    faults = simhost.state / "faults.json"
+    faults.write_text(json.dumps({"engine_hang_since": {"colocated": time.time()}}))
+    assert http("GET", f"{sim.url}/health", timeout=5)[0] == 200
+    assert http("GET", f"{sim.url}/metrics", timeout=5)[0] == 200
+    with pytest.raises(TimeoutError):
+        http("POST", f"{sim.url}/v1/completions", body, timeout=1.5)
+    faults.write_text(json.dumps({"engine_hang_since": {"decode": time.time()}}))  # another role: not this one
+    assert http("POST", f"{sim.url}/v1/completions", body, timeout=10)[0] == 200
+    faults.write_text(json.dumps({"engine_hang_since": {"*": time.time() - 3600}}))  # before it started
+    assert http("POST", f"{sim.url}/v1/completions", body, timeout=10)[0] == 200
+
+
 def test_http_port_in_use_fails(simhost):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -77,6 +77,20 @@ def test_apply_to_doc_builds_the_keys_the_doubles_and_engine_read():
                    "small_disk": "1G", "slow_link": "1gbit", "kv_pressure_tokens": 4}
 
 
+def test_engine_hang_now_carries_the_moment_it_was_injected():
+    f = parse_fault("engine-hang-now:atlas-02:decode")
+    assert f == Fault("engine-hang-now", "atlas-02", "decode")
+    assert parse_fault("engine-hang-now:atlas-02").arg == "*"
+    doc = apply_to_doc({}, f, since=100.0)
+    assert apply_to_doc(doc, parse_fault("engine-hang-now:atlas-02"), since=200.0) == {
+        "engine_hang_since": {"decode": 100.0, "*": 200.0}}
+    assert doc == {"engine_hang_since": {"decode": 100.0}}
+    with pytest.raises(ValueError):
+        apply_to_doc({}, f)
+    with pytest.raises(InvalidInput):
+        parse_fault("engine-hang-now:atlas-02:sideways")
+
+
 def test_apply_to_doc_does_not_mutate_its_input():
     before = {"npu_unhealthy": [1]}
     after = apply_to_doc(before, parse_fault("npu-unhealthy:atlas-01:2"))
