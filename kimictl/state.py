@@ -7,6 +7,7 @@ Everything kimictl remembers about a cluster lives under $KIMICTL_STATE_DIR/<clu
   current.json           the last `deployed` record (what the cluster runs, per the control node)
   weights-manifest.json  the checkpoint's file list (the hub's listing, cached for offline verify and sizing)
   preflight.json         the last preflight report (for `logs --bundle`)
+  heal-events.jsonl      what `kimictl heal` found and did: one JSON event per line (its flap damping counts them)
   runs/<stamp>-<name>/   one directory per run: rendered files, plan.json, rendered.json (a release can be
                          deployed again from it), the rollout's effective topology.yml, Ansible artifacts
   weights.lock, weights-small/   the weights stage's lock and small-file cache
@@ -38,6 +39,7 @@ RELEASES = "releases.jsonl"
 CURRENT = "current.json"
 MANIFEST_CACHE = "weights-manifest.json"
 PREFLIGHT = "preflight.json"
+HEAL_EVENTS = "heal-events.jsonl"
 
 
 def control_dir(cluster: str) -> Path:
@@ -148,17 +150,21 @@ def current(cluster: str) -> ReleaseRecord | None:
                          "into it, or delete it (then `kimictl deploy` converges from scratch)")
 
 
-def record_release(cluster: str, rec: ReleaseRecord) -> None:
-    """Append to the history; a deployed release also becomes `current`."""
-    path = control_dir(cluster) / RELEASES
+def _append_line(path: Path, line: str) -> None:
+    """Append one line to a JSONL file; an interrupted earlier write left a partial line: keep it apart, so only
+    that line is damaged."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a+b") as f:
         cut = False
         if f.seek(0, os.SEEK_END) > 0:
             f.seek(-1, os.SEEK_END)
             cut = f.read(1) != b"\n"
-        # an interrupted earlier write left a partial line: keep it apart, so only that line is damaged
-        f.write((b"\n" if cut else b"") + rec.to_line().encode() + b"\n")
+        f.write((b"\n" if cut else b"") + line.encode() + b"\n")
+
+
+def record_release(cluster: str, rec: ReleaseRecord) -> None:
+    """Append to the history; a deployed release also becomes `current`."""
+    _append_line(control_dir(cluster) / RELEASES, rec.to_line())
     if rec.result == "deployed":
         _write_atomic(control_dir(cluster) / CURRENT, json.dumps(json.loads(rec.to_line()), indent=1))
 
@@ -172,6 +178,40 @@ def deployed_diff(cluster: str, releases: dict[str, str]) -> dict:
     return {"release": rec.release, "deployed_at": rec.at or None,
             "changed_hosts": sorted(h for h, r in releases.items() if old.get(h) != r),
             "removed_hosts": sorted(h for h in old if h not in releases)}
+
+
+# --- the heal event log ------------------------------------------------------------------------------------
+
+
+def heal_events_path(cluster: str) -> Path:
+    return control_dir(cluster) / HEAL_EVENTS
+
+
+def append_heal_event(cluster: str, event: dict[str, Any]) -> dict[str, Any]:
+    """Append one event (stamped with `at`, ISO UTC, and `ts`, epoch seconds, unless it has them)."""
+    now = datetime.now(UTC)
+    doc = {"at": now.isoformat(timespec="seconds"), "ts": round(now.timestamp(), 3), **event}
+    _append_line(heal_events_path(cluster), json.dumps(doc, separators=(",", ":")))
+    return doc
+
+
+def heal_events(cluster: str) -> list[dict[str, Any]]:
+    """Every recorded heal event, oldest first (empty when heal never ran)."""
+    path = heal_events_path(cluster)
+    out: list[dict[str, Any]] = []
+    for n, line in enumerate((_read_text(path) or "").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+        except ValueError as exc:
+            doc = exc
+        if not isinstance(doc, dict) or not isinstance(doc.get("ts"), (int, float)):
+            raise StateError(f"the heal event log {path} (line {n}) is damaged: not a JSON event with `ts`",
+                             hint="each line is one JSON event; a cut-off last line is an interrupted write: delete "
+                                  "that line (the lines before it are intact)")
+        out.append(doc)
+    return out
 
 
 # --- run directories -----------------------------------------------------------------------------------------
@@ -241,10 +281,11 @@ def save_preflight(cluster: str, report: dict) -> None:
 
 def bundle_files(cluster: str) -> dict[str, str]:
     """The records a diagnostics bundle carries as they are on disk (damaged ones too: they may be the cause):
-    history, current, the last preflight, the weights manifest and the newest deploy run's plan.json."""
+    history, current, the last preflight, the weights manifest, the heal event log and the newest deploy run's
+    plan.json."""
     base = control_dir(cluster)
     out: dict[str, str] = {}
-    for name in (RELEASES, CURRENT, PREFLIGHT, MANIFEST_CACHE):
+    for name in (RELEASES, CURRENT, PREFLIGHT, MANIFEST_CACHE, HEAL_EVENTS):
         p = base / name
         if p.is_file():
             out[name] = p.read_text(errors="replace")

@@ -139,6 +139,16 @@ class Slo(_Strict):
     quantile: float | None = Field(None, gt=0, lt=1, description="the quantile the targets hold for, e.g. 0.9")
 
 
+class Heal(_Strict):
+    """How `kimictl heal` judges engines and how often it may act (unset fields: kimictl/data/heal.yml)."""
+
+    hang_deadline_s: float | None = Field(None, gt=0, description="a 1-token completion straight to an engine must "
+                                                                   "answer within this, or the engine is hung")
+    max_actions: int | None = Field(None, ge=1, le=100, description="heal actions per slice within window_s; one "
+                                                                    "more escalates (exit 1)")
+    window_s: float | None = Field(None, gt=0, description="the flap-damping window, seconds")
+
+
 class Topology(_Strict):
     """A deployment shape: which roles exist, how big each instance is, and how engines are tuned."""
 
@@ -160,6 +170,7 @@ class Topology(_Strict):
     roles: dict[RoleName, Role]
     speculative: Speculative | None = None
     slo: Slo | None = Field(None, description="serving targets for `kimictl observe` alerts")
+    heal: Heal | None = Field(None, description="`kimictl heal`'s hang deadline and flap damping")
     source: str = Field("", exclude=True)
 
     @field_validator("hardware")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kimictl.cli import deploy, lifecycle, logs, observe, preflight, sandbox, static, status, topology, weights
+from kimictl.cli import deploy, heal, lifecycle, logs, observe, preflight, sandbox, static, status, topology, weights
 from kimictl.cli import rollout as rollout_cli
 
 app = typer.Typer(
@@ -25,6 +25,7 @@ app.command()(deploy.deploy)
 app.command()(rollout_cli.rollout)
 app.command()(deploy.rollback)
 app.command()(status.status)
+app.command()(heal.heal)
 app.command()(status.bench)
 app.command()(logs.logs)
 app.command()(lifecycle.stop)

@@ -110,7 +110,8 @@ def fault(
                                                    "driver-mismatch:HOST[:VER], small-disk:HOST[:SIZE], "
                                                    "host-down:HOST, slow-link:HOST:RATE, cut-route:HOST:HOST, "
                                                    "engine-crash:HOST[:ROLE], engine-hang:HOST[:ROLE], "
-                                                   "engine-hang-now:HOST[:ROLE], port-taken:HOST:PORT, clear:HOST|all")],
+                                                   "engine-hang-now:HOST[:ROLE], port-taken:HOST:PORT, "
+                                                   "clear:HOST|all")],
     directory: DirOpt = DEFAULT_DIR,
     output: OutputOpt = Output.text,
 ) -> None:

@@ -20,6 +20,9 @@ def status(
     watch: Annotated[float | None, typer.Option("--watch", help="Refresh every N seconds until Ctrl-C.")] = None,
     no_pair_probe: Annotated[bool, typer.Option("--no-pair-probe",
                                                 help="Skip the probe request through the proxy.")] = False,
+    heal: Annotated[bool, typer.Option(
+        "--heal", help="When the cluster is not healthy, run a `kimictl heal` round (its report goes under `heal`); "
+                       "an escalation exits 1.")] = False,
 ) -> None:
     """Show every engine's state, the P/D pair probe, the proxy and release drift."""
     from kimictl.inventory import load_inventory
@@ -28,16 +31,38 @@ def status(
     inv = load_inventory(inventory)
     while True:
         doc = collect_status(inv, probe_pairs=not no_pair_probe)
+        if heal and doc["state"] != "healthy":
+            doc["heal"] = _heal_round(inventory)
         if output == Output.json:
             emit_json(doc)
         else:
             from kimictl.cli.views import print_to_stdout, status_view
 
             print_to_stdout(status_view(doc))
+            if "heal" in doc:
+                h = doc["heal"]
+                typer.echo(f"heal: {h['result']}" + "".join(
+                    f"; {a['slice']} {'/'.join(a['reasons'])} -> {a['result']}" for a in h["actions"]))
+        if doc.get("heal", {}).get("result") == "escalated":
+            raise typer.Exit(EXIT_FAILED)
         if not watch:
             break
         time.sleep(watch)
     raise typer.Exit(EXIT_BY_STATE[doc["state"]])
+
+
+def _heal_round(inventory: str) -> dict:
+    """One `kimictl heal` round with the defaults (progress and escalations on stderr)."""
+    from pathlib import Path
+
+    from kimictl.cli import common
+    from kimictl.cli.heal import heal_round, report_failure
+
+    say, on_event = common.reporters("heal", events=("failed", "unreachable"))
+    res = heal_round(Path(inventory), {}, say, on_event)
+    if res.result in ("failed", "escalated"):
+        report_failure(res)
+    return res.to_json()
 
 
 @handle_errors

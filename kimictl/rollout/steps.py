@@ -104,7 +104,10 @@ class SliceSteps:
         return [self.make_router(u, api_key=key, http=self.http) for u in own]
 
 
-    def _drain(self, slices: list[Slice]) -> dict[str, Any]:
+    def _drain(self, slices: list[Slice], timeout: float | None = None) -> dict[str, Any]:
+        """Out of every router, then wait for in-flight requests (`timeout`: at most this long instead of the
+        options' drain timeout, e.g. for a hung slice that cannot finish them)."""
+        timeout = self.ro.drain_timeout if timeout is None else timeout
         self.touched_done += [s for s in slices if s not in self.touched_done]
         eps = [ep for s in slices for ep in s.endpoints]
         for attempt in range(3):
@@ -117,12 +120,12 @@ class SliceSteps:
                 self.stage[s.name] = "drained"
             self.say(f"drained {', '.join(s.name for s in slices)} from {len(self.routers)} router(s); waiting for "
                      "in-flight requests")
-            got = wait_drained(eps, timeout=self.ro.drain_timeout, quiet=self.ro.drain_quiet, sample=self.drain_sample)
+            got = wait_drained(eps, timeout=timeout, quiet=min(self.ro.drain_quiet, timeout), sample=self.drain_sample)
             # A router restarted meanwhile (by its supervisor) comes back with every worker: drain again.
             back = [ep.engine for r in self.routers for ep in eps if ep.url in r.members()]
             if not back:
                 if got["timed_out"]:
-                    self.say(f"drain timeout ({self.ro.drain_timeout:.0f}s): {', '.join(got['timed_out'])} still "
+                    self.say(f"drain timeout ({timeout:.0f}s): {', '.join(got['timed_out'])} still "
                              "busy; their in-flight requests are cut")
                 return got
             self.say(f"a router lists {', '.join(back)} again (did it restart?); draining again ({attempt + 1}/3)")

@@ -1,0 +1,455 @@
+"""Self-healing of a deployed P/D cluster (`kimictl heal`): find the slices that are broken, then per slice drain it
+from the proxy, restart it (and its counterpart when that holds stale peer state), pair-smoke it and re-add it.
+
+What counts as broken, per slice (one DP group, the unit that restarts together):
+- dead: an engine process is not running under its supervisor (stopped, failed, in back-off), or it was restarted
+  by the supervisor alone after a crash while the other ranks of its DP group kept running, or it does not answer
+  /health + /v1/models (past its start-up grace);
+- hung: it answers /health but not a 1-token completion within the hang deadline; failing: it answers that with
+  an error;
+- pair: it answers on its own, but every P/D hand-over probed with it fails while its partners hand over with
+  others; stale-peer: the partners of such an engine started before it did (it restarted under them): they hold
+  its old KV-transfer state, so they restart too;
+- missing: it is healthy but a router of the proxy does not list it (a drain left behind, a router that dropped
+  it while it was down): re-added, not restarted.
+
+Flap damping: at most `max_actions` actions per slice within `window_s` (the event log per cluster,
+`kimictl.state.heal_events`); one more is refused and the run escalates (exit 1 with the reason). The steps
+themselves are the rollout's (`kimictl.rollout.steps.SliceSteps`); a heal restarts a slice on the release it runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kimictl import health, state
+from kimictl.errors import EXIT_DEGRADED, EXIT_FAILED, EXIT_OK, HostError, InvalidInput, KimictlError
+from kimictl.facts import DATA_DIR
+from kimictl.hostops import HostObservation, HostOps, Proc, desired_procs, exit_text
+from kimictl.inventory import Inventory
+from kimictl.render import Rendered
+from kimictl.rollout.router import AscendProxyAdmin, FrontControl, RouterAdmin, RouterError, pair_probe
+from kimictl.rollout.slices import Endpoint, Slice
+from kimictl.rollout.steps import SliceSteps, StepOptions
+
+HEAL_SCHEMA_VERSION = 1
+RESTART_KINDS = ("dead", "hung", "failing", "pair", "stale-peer")
+KINDS = (*RESTART_KINDS, "missing", "starting")
+ALIVE = ("starting", "running")  # supervisor states of a process that runs (backoff: it crashed, waits to restart)
+
+
+@functools.cache
+def heal_defaults() -> dict[str, float]:
+    """kimictl/data/heal.yml."""
+    return yaml.safe_load((DATA_DIR / "heal.yml").read_text())
+
+
+@dataclass
+class HealOptions(StepOptions):
+    dry_run: bool = False
+    hang_deadline: float = 20.0
+    max_actions: int = 3
+    window: float = 3600.0
+    startup_grace: float = 900.0
+    hung_drain: float = 2.0
+    ready_timeout: float | None = None
+    accept_new_host_keys: bool = False
+
+    @classmethod
+    def resolve(cls, topology_heal: Any = None, **given: Any) -> HealOptions:
+        """heal.yml, the topology's `heal:` section over it, then what the command line gave (None: not given)."""
+        d = heal_defaults()
+        t = topology_heal
+        opts = cls(hang_deadline=float(d["hang_deadline_s"]), max_actions=int(d["max_actions"]),
+                   window=float(d["window_s"]), startup_grace=float(d["startup_grace_s"]),
+                   hung_drain=float(d["hung_drain_s"]))
+        for key, attr in (("hang_deadline", "hang_deadline_s"), ("max_actions", "max_actions"),
+                          ("window", "window_s")):
+            if t is not None and getattr(t, attr) is not None:
+                setattr(opts, key, getattr(t, attr))
+        for key, value in given.items():
+            if value is not None:
+                setattr(opts, key, value)
+        return opts
+
+
+@dataclass
+class Finding:
+    slice: str  # "" when no single slice can be blamed
+    kind: str  # one of KINDS
+    engine: str
+    host: str
+    detail: str
+
+
+@dataclass
+class Action:
+    slice: str
+    role: str
+    hosts: list[str]
+    engines: list[str]
+    reasons: list[str]  # finding kinds
+    steps: list[str]  # drain, restart, pair-smoke, readd
+    result: str = "planned"  # planned | healed | failed | escalated | skipped
+    seconds: dict[str, float] = field(default_factory=dict)
+    probes: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    note: str | None = None
+
+
+@dataclass
+class HealResult:
+    cluster: str
+    release: str
+    result: str  # healthy | planned | healed | failed | escalated
+    dry_run: bool
+    findings: list[Finding]
+    actions: list[Action]
+    escalations: list[str]
+    event_log: str
+    run_dir: str | None = None
+    proxy_gate: dict[str, Any] | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def exit_code(self) -> int:
+        """0 healthy or healed; 3 actions pending (--dry-run); 1 an action failed or the run escalated."""
+        return {"healthy": EXIT_OK, "healed": EXIT_OK, "planned": EXIT_DEGRADED}.get(self.result, EXIT_FAILED)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": HEAL_SCHEMA_VERSION, "cluster": self.cluster, "release": self.release,
+                "result": self.result, "dry_run": self.dry_run, "findings": [vars(f) for f in self.findings],
+                "actions": [vars(a) for a in self.actions], "escalations": self.escalations,
+                "proxy_gate": self.proxy_gate, "event_log": self.event_log, "run_dir": self.run_dir,
+                "error": self.error, "seconds": self.seconds}
+
+
+def _started(st: dict[str, Any] | None) -> float | None:
+    """The supervisor's child_started_at as epoch seconds."""
+    raw = (st or {}).get("child_started_at")
+    if not raw:
+        return None
+    try:
+        return datetime.fromisoformat(str(raw).replace("Z", "+00:00")).replace(tzinfo=UTC).timestamp()
+    except ValueError:
+        return None
+
+
+class Healer(SliceSteps):
+    """One heal round over a deployed P/D cluster: `detect`, `plan`, then `act` (unless dry-run)."""
+
+    def __init__(self, inv: Inventory, record: state.ReleaseRecord, rendered: Rendered, opts: HealOptions,
+                 say: Callable[[str], None], on_event: Callable[[str, str, str], None] | None = None, *,
+                 ops: HostOps | None = None, http: Any = health, router: Callable[..., RouterAdmin] = RouterAdmin,
+                 instances: Callable[..., AscendProxyAdmin] = AscendProxyAdmin,
+                 front: Callable[..., FrontControl] = FrontControl, clock: Callable[[], float] = time.time):
+        if rendered.plan.mode != "pd" or rendered.proxy is None:
+            raise InvalidInput(f"cluster {rendered.plan.cluster} runs topology {rendered.plan.topology} "
+                               f"({rendered.plan.mode}): heal drains and re-adds slices through the P/D proxy",
+                               hint="a colocated engine is restarted by its supervisor; see `kimictl status`")
+        ops = ops or HostOps(inv, rendered.plan.served_model_name, state.new_run_dir(rendered.plan.cluster, "heal"),
+                             say=say, on_event=on_event, accept_new_host_keys=opts.accept_new_host_keys,
+                             ready_timeout=opts.ready_timeout, http=http)
+        super().__init__(inv, rendered, rendered, ops, opts, say, http=http, router=router, instances=instances,
+                         front=front)
+        self.record, self.opts, self.clock = record, opts, clock
+        self.procs: dict[str, Proc] = {p.id: p for p in desired_procs(rendered, inv)}
+        self.proxy_proc = self.procs.get("proxy")
+        self.routers_error: str | None = None
+
+    def _procs(self, s: Slice, release: str) -> list[Proc]:
+        return [self.procs[e] for e in s.engines]
+
+    def _state(self, engine: str) -> dict[str, Any] | None:
+        p = self.procs[engine]
+        return self.observed.get(p.host, HostObservation({}, None)).states.get(engine)
+
+    # --- detection (no changes) ----------------------------------------------------------------------
+
+    def detect(self) -> list[Finding]:
+        """Everything broken now, per slice (read-only: supervisor state over SSH, probes over HTTP)."""
+        self.observed = self.ops.observe()
+        now = self.clock()
+        found: list[Finding] = []
+        candidates: list[Endpoint] = []
+        for s in self.slices.values():
+            found += self._process_findings(s, now)
+        sick = {f.engine for f in found}
+        ready_checks = [ep for s in self.slices.values() for ep in s.endpoints if ep.engine not in sick]
+        with ThreadPoolExecutor(max_workers=max(1, min(16, len(ready_checks)))) as pool:
+            answers = list(pool.map(self._answers, ready_checks))
+        for ep, got in zip(ready_checks, answers, strict=True):
+            if got is None:
+                candidates.append(ep)
+            else:
+                kind, detail = got
+                st = self._state(ep.engine)
+                t0 = _started(st)
+                if kind == "dead" and t0 is not None and now - t0 < self.opts.startup_grace and \
+                        not int((st or {}).get("restarts", 0)):
+                    kind, detail = "starting", f"started {now - t0:.0f}s ago and still loading ({detail})"
+                found.append(Finding(self._slice_of(ep.engine).name, kind, ep.engine, ep.host, detail))
+        found += self._pair_findings(candidates)
+        found += self._membership_findings(candidates, {f.engine for f in found})
+        return found
+
+    def _slice_of(self, engine: str) -> Slice:
+        return next(s for s in self.slices.values() if engine in s.engines)
+
+    def _process_findings(self, s: Slice, now: float) -> list[Finding]:
+        out = []
+        states = {e: self._state(e) for e in s.engines}
+        for e, st in states.items():
+            host = self.procs[e].host
+            if st is None:
+                out.append(Finding(s.name, "dead", e, host, "not supervised on its host (stopped or never started)"))
+            elif st.get("state") not in ALIVE:
+                out.append(Finding(s.name, "dead", e, host, f"supervisor state {st.get('state')}, restarts "
+                                   f"{st.get('restarts', 0)}, last exit: {exit_text(st.get('last_exit'))}"))
+            elif int(st.get("restarts", 0)) > 0 and len(s.engines) > 1:
+                out.append(Finding(s.name, "dead", e, host, f"crashed and was restarted alone by its supervisor "
+                                   f"(restarts {st.get('restarts')}, last exit: {exit_text(st.get('last_exit'))}); "
+                                   "the other ranks of its DP group kept running"))
+        return out
+
+    def _answers(self, ep: Endpoint) -> tuple[str, str] | None:
+        """None when the engine is ready and answers a 1-token completion in time, else (kind, detail)."""
+        ready = self.http.engine_ready(ep.ip, ep.port, self.served_model_name, api_key=self.engine_key)
+        if not ready.ok:
+            return "dead", f"{ep.url}: {ready.detail}"
+        t0 = time.monotonic()
+        code, body = self.http.http_post_json(f"{ep.url}/v1/completions", {
+            "model": self.served_model_name, "prompt": "kimictl heal probe", "max_tokens": 1},
+            timeout=self.opts.hang_deadline, api_key=self.engine_key)
+        if code == 200:
+            return None
+        if code == 0:
+            return "hung", (f"{ep.url} answers /health but not a 1-token completion within "
+                            f"{self.opts.hang_deadline:.0f}s ({health.body_text(body, 80)}, "
+                            f"{time.monotonic() - t0:.1f}s)")
+        return "failing", f"{ep.url}: a 1-token completion got HTTP {code}: {health.body_text(body)}"
+
+    def _pair_findings(self, eps: list[Endpoint]) -> list[Finding]:
+        """Hand-overs between engines that answer on their own: each prefill endpoint with two decode endpoints and
+        each decode endpoint with two prefill endpoints (a second partner tells a broken engine from a broken
+        partner)."""
+        pre = [ep for ep in eps if ep.role == "prefill"]
+        dec = [ep for ep in eps if ep.role == "decode"]
+        if not pre or not dec:
+            return []
+        n = max(len(pre), len(dec))
+        pairs = list(dict.fromkeys((pre[(i + k) % len(pre)], dec[i % len(dec)]) for i in range(n) for k in (0, 1)))
+        with ThreadPoolExecutor(max_workers=min(8, len(pairs))) as pool:
+            probes = list(pool.map(lambda pd: pair_probe(pd[0], pd[1], self.served_model_name,
+                                                         timeout=self.opts.hang_deadline, http=self.http,
+                                                         api_key=self.engine_key), pairs))
+        ok: dict[str, int] = {}
+        bad: dict[str, list[str]] = {}
+        for (p, d), r in zip(pairs, probes, strict=True):
+            for me, other in ((p, d), (d, p)):
+                if r["ok"]:
+                    ok[me.engine] = ok.get(me.engine, 0) + 1
+                else:
+                    bad.setdefault(me.engine, []).append(other.engine)
+        if not bad:
+            return []
+        by_id = {ep.engine: ep for ep in eps}
+        broken = [e for e in bad if not ok.get(e) and any(ok.get(o) for o in bad[e])]
+        if not broken:
+            detail = next(r["detail"] for r in probes if not r["ok"])
+            return [Finding("", "pair", ", ".join(sorted(bad)), "", "P/D hand-overs fail but no single engine can be "
+                            f"blamed (its partners fail with others too): {detail}")]
+        out = []
+        for e in broken:
+            ep = by_id[e]
+            detail = next(r["detail"] for r in probes if not r["ok"] and e in (r["prefill"], r["decode"]))
+            out.append(Finding(self._slice_of(e).name, "pair", e, ep.host,
+                               f"every probed hand-over with it fails ({', '.join(bad[e])}): {detail}"))
+            mine = _started(self._state(e))
+            for o in dict.fromkeys(bad[e]):
+                theirs = _started(self._state(o))
+                if mine is not None and theirs is not None and theirs < mine:
+                    out.append(Finding(self._slice_of(o).name, "stale-peer", o, by_id[o].host,
+                                       f"started before {e} restarted: it holds {e}'s old KV-transfer state"))
+        return out
+
+    def _membership_findings(self, eps: list[Endpoint], sick: set[str]) -> list[Finding]:
+        """Healthy endpoints a router of the proxy does not list."""
+        try:
+            self._connect_routers()
+        except KimictlError as exc:
+            self.routers_error = exc.message
+            self.say(f"cannot read the proxy's routers: {exc.message}")
+            return []
+        out = []
+        for i, r in enumerate(self.routers):
+            try:
+                members = r.members()
+            except RouterError as exc:
+                self.routers_error = exc.message
+                continue
+            for ep in eps:
+                if ep.engine not in sick and ep.url not in members:
+                    out.append(Finding(self._slice_of(ep.engine).name, "missing", ep.engine, ep.host,
+                                       f"router {i} ({r.url}) does not list {ep.url}"))
+        return out
+
+    # --- the plan ------------------------------------------------------------------------------------
+
+    def plan(self, findings: list[Finding]) -> tuple[list[Action], list[str]]:
+        """One action per broken slice in plan order, and the escalations (flap damping, unplaceable faults)."""
+        escalations = [f"{f.kind}: {f.detail}" for f in findings if not f.slice]
+        now = self.clock()
+        recent: dict[str, int] = {}
+        for ev in state.heal_events(self.cluster):
+            if ev.get("event") == "action" and ev.get("slice") and now - float(ev["ts"]) < self.opts.window:
+                recent[ev["slice"]] = recent.get(ev["slice"], 0) + 1
+        kinds: dict[str, list[str]] = {}
+        for f in findings:
+            if f.slice and f.kind != "starting":
+                kinds.setdefault(f.slice, [])
+                if f.kind not in kinds[f.slice]:
+                    kinds[f.slice].append(f.kind)
+        actions = []
+        for name, s in self.slices.items():
+            if name not in kinds:
+                continue
+            restart = any(k in RESTART_KINDS for k in kinds[name])
+            sole = sum(1 for x in self.slices.values() if x.role == s.role) == 1
+            steps = ((["drain"] if not sole else []) + ["restart", "pair-smoke"] + (["readd"] if not sole else [])
+                     if restart else ["readd"])
+            a = Action(name, s.role, list(s.hosts), list(s.engines), kinds[name], steps)
+            if sole and restart:
+                a.note = (f"{name} is the only {s.role} instance: it stays in the routers (requests fail until it is "
+                          "back)")
+            n = recent.get(name, 0)
+            if n >= self.opts.max_actions:
+                a.result = "escalated"
+                a.error = (f"{name} was healed {n} time(s) within the last {self.opts.window:.0f}s (at most "
+                           f"{self.opts.max_actions}): it keeps breaking ({', '.join(kinds[name])}); not acting again")
+                escalations.append(a.error)
+            actions.append(a)
+        return actions, escalations
+
+    # --- acting --------------------------------------------------------------------------------------
+
+    def act(self, actions: list[Action], findings: list[Finding]) -> dict[str, Any] | None:
+        """Heal slice after slice; the first failure stops the run (the rest stay planned). Returns the proxy gate
+        (requests through the proxy reached every healed endpoint) or None when nothing was re-added."""
+        if self.routers_error and any(a.result == "planned" and ("drain" in a.steps or "readd" in a.steps)
+                                      for a in actions):
+            raise HostError(f"cannot drain or re-add through the proxy: {self.routers_error}", step="routers",
+                            host=self.new.proxy.host_name if self.new.proxy else None,
+                            hint="see `kimictl status`: the proxy must answer before heal can act")
+        pending = {a.slice for a in actions if a.result == "planned"}
+        done: list[Slice] = []
+        for a in actions:
+            if a.result != "planned":
+                continue
+            s = self.slices[a.slice]
+            why = [f"{f.kind} {f.engine}: {f.detail}" for f in findings if f.slice == a.slice]
+            self.say(f"{a.slice}: {'; '.join(why)[:400]}")
+            t0 = time.monotonic()
+            try:
+                self._heal_slice(a, s, pending)
+            except KimictlError as exc:
+                a.result, a.error = "failed", exc.message
+                a.seconds["total"] = round(time.monotonic() - t0, 2)
+                self._event(a, why)
+                raise
+            a.result = "healed"
+            a.seconds["total"] = round(time.monotonic() - t0, 2)
+            pending.discard(a.slice)
+            self._event(a, why)
+            if "readd" in a.steps:
+                done.append(s)
+            self.say(f"{a.slice}: healed in {a.seconds['total']:.1f}s (" + ", ".join(
+                f"{k.replace('_', ' ')} {v:.1f}s" for k, v in a.seconds.items() if k != "total") + ")")
+        if not done:
+            return None
+        gate = self._proxy_gate(done)
+        self.say(f"proxy gate: {gate['requests']} request(s) through the proxy reached every healed endpoint")
+        return gate
+
+    def _heal_slice(self, a: Action, s: Slice, pending: set[str]) -> None:
+        hung = any(k in ("dead", "hung", "failing") for k in a.reasons)
+        t = time.monotonic()
+        if "drain" in a.steps:
+            self._drain([s], timeout=self.opts.hung_drain if hung else None)
+            a.seconds["drain"] = round(time.monotonic() - t, 2)
+        if "restart" in a.steps:
+            t = time.monotonic()
+            procs = self._restart([s], "current")
+            self.ops.wait_ready(procs)
+            a.seconds["restart_ready"] = round(time.monotonic() - t, 2)
+            t = time.monotonic()
+            a.probes = self._pair_gate([s], pending | {s.name})
+            a.seconds["pair_smoke"] = round(time.monotonic() - t, 2)
+        if "readd" in a.steps:
+            t = time.monotonic()
+            self._readd([s])
+            a.seconds["readd"] = round(time.monotonic() - t, 2)
+
+    def _event(self, a: Action, why: list[str]) -> None:
+        state.append_heal_event(self.cluster, {
+            "event": "action", "slice": a.slice, "reasons": a.reasons, "steps": a.steps, "result": a.result,
+            "error": a.error, "findings": why, "seconds": a.seconds, "release": self.record.release,
+            "run_dir": str(self.run_dir)})
+
+    # --- one round -----------------------------------------------------------------------------------
+
+    def run(self) -> HealResult:
+        t0 = time.monotonic()
+        res = HealResult(self.cluster, self.record.release, "healthy", self.opts.dry_run, [], [], [],
+                         str(state.heal_events_path(self.cluster)))
+        try:
+            res.findings = self.detect()
+            res.actions, res.escalations = self.plan(res.findings)
+            for f in res.findings:
+                if f.kind == "starting":
+                    self.say(f"{f.engine} on {f.host}: {f.detail}")
+            if self.opts.dry_run:
+                res.result = "escalated" if res.escalations else "planned" if res.actions else "healthy"
+                return res
+            for e in res.escalations:
+                state.append_heal_event(self.cluster, {"event": "escalate", "reason": e,
+                                                       "release": self.record.release})
+            if not any(a.result == "planned" for a in res.actions):
+                res.result = "escalated" if res.escalations else "healthy"
+                return res
+            res.run_dir = str(self.run_dir)
+            try:
+                res.proxy_gate = self.act(res.actions, res.findings)
+            except KimictlError as exc:
+                res.result, res.error = "failed", exc.render()
+                return res
+            res.result = "escalated" if res.escalations else "healed"
+            return res
+        finally:
+            res.seconds = round(time.monotonic() - t0, 2)
+            self.ops.close()
+
+
+def prepare_heal(inventory: Path) -> tuple[Inventory, state.ReleaseRecord, Rendered, Any]:
+    """The inventory, the current release record, its render snapshot and its topology's `heal:` section."""
+    from kimictl.inventory import load_inventory
+    from kimictl.rollout.run import deployed_release, recorded_topology
+    from kimictl.topology import load_topology
+
+    inv = load_inventory(inventory)
+    record, rendered = deployed_release(inv.cluster.name)
+    try:
+        topo_heal = load_topology(recorded_topology(record, rendered)).heal
+    except InvalidInput:
+        topo_heal = None  # the topology file moved away: heal.yml's defaults (the render snapshot is enough)
+    return inv, record, rendered, topo_heal

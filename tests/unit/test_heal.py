@@ -1,0 +1,392 @@
+"""`kimictl heal` without hosts: detection (dead, hung, failing, mis-paired, stale peers, missing from a router), the
+action planner, flap damping, --dry-run and the exit codes. Host operations, HTTP and the routers are the fakes of
+test_orchestration (they record what was asked and keep the supervisor's view of every host)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from kimictl import heal, health, state
+from kimictl.cli.main import app
+from kimictl.errors import HostError, InvalidInput, StateError
+from kimictl.heal import Healer, HealOptions
+from kimictl.hostops import desired_procs
+from kimictl.plan import make_plan
+from kimictl.render import render
+from kimictl.topology import Heal as TopologyHeal
+from kimictl.topology import load_topology
+from tests.unit.test_orchestration import CLUSTER, FakeFront, FakeHttp, FakeInstances, FakeOps, _inventory, _running
+
+T0 = "2025-12-01T10:00:00.000Z"
+NOW = 1_764_600_000.0  # 2025-12-01T14:40Z: long after T0 (no start-up grace applies)
+
+
+class HealHttp(FakeHttp):
+    """FakeHttp whose endpoints can be down (no /health), hung (health answers, completions time out), failing
+    (completions answer 500) or unable to hand KV over (pair probes fail, plain completions answer). A process the
+    fake ops started again is healthy: the flags are on the supervisor's record of the process."""
+
+    def __init__(self, ops: FakeOps, eps: dict[str, Any]):
+        super().__init__()
+        self.ops, self.eps = ops, eps
+        self.completion_timeouts: list[float] = []
+
+    def _flag(self, url: str) -> str | None:
+        e = self.eps.get(url.split("/v1/", 1)[0].rstrip("/"))
+        if e is None:
+            return None
+        return self.ops.procs[e.host][e.id].get("fault")
+
+    def engine_ready(self, ip: str, port: int, served: str, timeout: float = 3.0, api_key: str | None = None):
+        ok = self._flag(f"http://{ip}:{port}") != "down"
+        return health.Ready(ok, "ready" if ok else "/health unreachable: connection refused")
+
+    def http_request(self, method: str, url: str, body: Any = None, timeout: float = 10.0,
+                     headers: dict | None = None, api_key: str | None = None) -> tuple[int, str]:
+        flag = self._flag(url)
+        if flag == "hung":
+            return 0, "timed out"
+        if flag == "failing":
+            return 500, "EngineCore died"
+        if flag == "no-kv" and body and ("kv_transfer_params" in body):
+            return 500, "KV transfer failed: handshake with the remote engine timed out"
+        return super().http_request(method, url, body, timeout, headers, api_key)
+
+    def http_post_json(self, url: str, body: dict, timeout: float = 60.0, api_key: str | None = None):
+        if url.split("/v1/", 1)[0] in self.eps and "kv_transfer_params" not in body:  # the probe of one engine
+            self.completion_timeouts.append(timeout)
+        code, text = self.http_request("POST", url, body, timeout)
+        return code, json.loads(text) if code == 200 else text
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state" / CLUSTER
+
+
+def _cluster(tmp_path: Path, hosts: int = 4, opts: HealOptions | None = None, clock: float = NOW):
+    """a3-pd on `hosts` A3 hosts runs its recorded release (2P2D on four); the routers are vllm-ascend proxy copies
+    behind kimictl's front, each listing every endpoint. Returns (make_healer, ops, rendered, router log)."""
+    inv = _inventory(tmp_path, hosts)
+    topo = load_topology("a3-pd")
+    rendered = render(make_plan(inv, topo), inv, topo)
+    run_dir = tmp_path / "runs" / "deploy"
+    state.save_run(run_dir, rendered, rendered)
+    rec = state.ReleaseRecord.now(release=state.release_id(rendered.releases), cluster=CLUSTER, topology="a3-pd",
+                                  hosts=rendered.releases, result="deployed", run_dir=str(run_dir))
+    state.record_release(CLUSTER, rec)
+    procs = _running(desired_procs(rendered, inv))
+    for per_host in procs.values():
+        for st in per_host.values():
+            st.update(child_started_at=T0, restarts=0)
+    ops = FakeOps(inv, tmp_path / "run", procs, dict(rendered.releases))
+    eps = {f"http://{e.host_ip}:{e.port}": e for e in rendered.engines if e.serves_http}
+    http = HealHttp(ops, eps)
+    log: list[tuple[str, str, str]] = []
+    front = FakeFront(log)
+    copies: dict[str, FakeInstances] = {}
+
+    def instances(url: str, api_key: str | None = None, http: Any = None) -> FakeInstances:
+        # one membership per router copy, kept across heal rounds (as the proxy keeps it)
+        if url not in copies:
+            copies[url] = FakeInstances(url, {u: e.role for u, e in eps.items()}, log, front)
+        return copies[url]
+
+    def make(o: HealOptions | None = None) -> Healer:
+        o = o or opts or HealOptions.resolve(drain_quiet=0.0, drain_timeout=5.0)
+        return Healer(inv, rec, rendered, o, lambda m: None, ops=ops, http=http, instances=instances,
+                      front=lambda url, api_key=None, http=None: front, clock=lambda: clock)
+
+    make.http, make.copies = http, copies
+    return make, ops, rendered, log
+
+
+def _engines(rendered, instance: str) -> list[Any]:
+    return [e for e in rendered.engines if e.instance == instance]
+
+
+def _set(ops: FakeOps, engines: list[Any], **fields: Any) -> None:
+    for e in engines:
+        ops.procs[e.host][e.id].update(fields)
+
+
+def _restarted(ops: FakeOps) -> list[list[str]]:
+    return [sorted(i for ids in c[3].values() for i in ids) for c in ops.actions()
+            if c[1] == "restart on the current release"]
+
+
+def _urls(engines: list[Any]) -> set[str]:
+    return {f"http://{e.host_ip}:{e.port}" for e in engines if e.serves_http}
+
+
+# --- detection and healing -----------------------------------------------------------------------------------
+
+
+def test_a_healthy_cluster_needs_nothing_and_nothing_is_touched(tmp_path: Path) -> None:
+    make, ops, _rendered, log = _cluster(tmp_path)
+    res = make().run()
+    assert (res.result, res.findings, res.actions, res.exit_code) == ("healthy", [], [], 0)
+    assert not ops.actions() and not [x for x in log if x[1] in ("remove", "add")]
+    assert state.heal_events(CLUSTER) == []
+
+
+def test_a_hung_decode_is_drained_restarted_pair_smoked_and_readded(tmp_path: Path) -> None:
+    make, ops, rendered, log = _cluster(tmp_path)
+    d0 = _engines(rendered, "decode-0")
+    _set(ops, d0, fault="hung")
+    h = make()
+    res = h.run()
+    assert res.result == "healed" and res.exit_code == 0, res.error
+    assert {(f.kind, f.slice) for f in res.findings} == {("hung", "decode-0")}
+    assert sorted(f.engine for f in res.findings) == sorted(e.id for e in d0 if e.serves_http)
+    assert "answers /health but not a 1-token completion within 20s" in res.findings[0].detail
+    assert set(make.http.completion_timeouts) == {20.0}  # heal.yml's hang deadline
+    [a] = res.actions
+    assert (a.slice, a.reasons, a.steps, a.result) == ("decode-0", ["hung"], ["drain", "restart", "pair-smoke",
+                                                                               "readd"], "healed")
+    assert _restarted(ops) == [sorted(e.id for e in d0)]  # only that slice, on the release it runs
+    assert {p["decode"] for p in a.probes} == {e.id for e in d0 if e.serves_http} and all(p["ok"] for p in a.probes)
+    # drained from both router copies first, re-added (one held copy at a time) after the restart
+    copy0 = [(op, u) for who, op, u in log if who.endswith("/kimictl/router/0")]
+    n = len(_urls(d0))
+    assert {op for op, _ in copy0[:n]} == {"remove"} and {u for _, u in copy0[:n]} == _urls(d0)
+    assert {op for op, _ in copy0[n:]} == {"add"} and {u for _, u in copy0[n:]} == _urls(d0)
+    assert [(op, i) for who, op, i in log if who == "front"] == [("hold", "0"), ("release", "0"), ("hold", "1"),
+                                                                  ("release", "1")]
+    assert res.proxy_gate and res.proxy_gate["ok"]
+    [ev] = state.heal_events(CLUSTER)
+    assert (ev["event"], ev["slice"], ev["result"], ev["reasons"]) == ("action", "decode-0", "healed", ["hung"])
+    # the next round finds nothing: the restart cured it
+    assert make().run().result == "healthy"
+
+
+def test_a_dead_engine_restarts_its_whole_slice_and_a_lone_supervisor_restart_counts_as_dead(tmp_path) -> None:
+    make, ops, rendered, _ = _cluster(tmp_path)
+    p1, d1 = _engines(rendered, "prefill-1"), _engines(rendered, "decode-1")
+    _set(ops, p1[:1], state="failed", last_exit={"code": 1})
+    _set(ops, d1[1:2], restarts=2, last_exit={"signal": 9, "signal_name": "SIGKILL"})
+    res = make().run()
+    assert res.result == "healed", res.error
+    kinds = {(f.slice, f.engine): f.kind for f in res.findings}
+    assert kinds == {("prefill-1", p1[0].id): "dead", ("decode-1", d1[1].id): "dead"}
+    assert "supervisor state failed" in next(f.detail for f in res.findings if f.slice == "prefill-1")
+    assert "killed by SIGKILL" in next(f.detail for f in res.findings if f.slice == "decode-1")
+    assert _restarted(ops) == [sorted(e.id for e in p1), sorted(e.id for e in d1)]  # plan order, one at a time
+
+
+def test_an_engine_that_does_not_answer_health_is_dead_unless_a_playbook_just_started_it(tmp_path) -> None:
+    make, ops, rendered, _ = _cluster(tmp_path)
+    d1 = _engines(rendered, "decode-1")
+    _set(ops, d1[:1], fault="down", child_started_at="2025-12-01T14:35:00.000Z")  # NOW - 5 min, no crash
+    res = make(HealOptions.resolve(dry_run=True)).run()
+    assert [(f.kind, f.engine) for f in res.findings] == [("starting", d1[0].id)] and res.actions == []
+    assert res.result == "healthy"
+    _set(ops, d1[:1], child_started_at=T0)  # loading for days: dead
+    res = make(HealOptions.resolve(dry_run=True)).run()
+    assert [(f.kind, f.engine) for f in res.findings] == [("dead", d1[0].id)]
+    assert [a.slice for a in res.actions] == ["decode-1"] and res.result == "planned" and res.exit_code == 3
+
+
+def test_an_engine_answering_errors_is_failing(tmp_path: Path) -> None:
+    make, ops, rendered, _ = _cluster(tmp_path)
+    p0 = _engines(rendered, "prefill-0")
+    _set(ops, p0[:1], fault="failing")
+    res = make(HealOptions.resolve(dry_run=True)).run()
+    assert [(f.kind, f.slice) for f in res.findings] == [("failing", "prefill-0")]
+    assert "HTTP 500: EngineCore died" in res.findings[0].detail
+
+
+def test_a_pair_that_fails_the_handover_while_both_look_healthy_is_localized(tmp_path: Path) -> None:
+    make, ops, rendered, _ = _cluster(tmp_path)
+    d1 = _engines(rendered, "decode-1")
+    _set(ops, d1[:1], fault="no-kv")
+    res = make().run()
+    assert [(f.kind, f.slice, f.engine) for f in res.findings] == [("pair", "decode-1", d1[0].id)]
+    assert "KV transfer failed" in res.findings[0].detail
+    assert res.result == "healed" and _restarted(ops) == [sorted(e.id for e in d1)]
+
+
+def test_a_peer_restarted_under_partners_that_cached_it_restarts_the_partners_too(tmp_path: Path) -> None:
+    """prefill-0's engine restarted (later start) and now every hand-over with it fails, while both decode slices
+    hand over with prefill-1: the decodes hold its old state (stale peer) and restart as well, one at a time."""
+    make, ops, rendered, _ = _cluster(tmp_path)
+    p0 = _engines(rendered, "prefill-0")
+    _set(ops, p0[:1], fault="no-kv", child_started_at="2025-12-01T14:00:00.000Z")
+    res = make(HealOptions.resolve(dry_run=True)).run()
+    kinds = {(f.kind, f.slice) for f in res.findings}
+    assert ("pair", "prefill-0") in kinds
+    assert {s for k, s in kinds if k == "stale-peer"} == {"decode-0", "decode-1"}
+    assert [a.slice for a in res.actions] == ["prefill-0", "decode-0", "decode-1"]
+    assert not ops.actions()  # dry run
+
+
+def test_unplaceable_pair_failures_escalate(tmp_path: Path) -> None:
+    make, ops, rendered, _ = _cluster(tmp_path)
+    _set(ops, [e for e in rendered.engines if e.role == "decode"], fault="no-kv")
+    res = make().run()
+    assert res.result == "escalated" and res.exit_code == 1 and res.actions == []
+    assert "no single engine can be blamed" in res.escalations[0]
+    assert not ops.actions()
+    assert [e["event"] for e in state.heal_events(CLUSTER)] == ["escalate"]
+
+
+def test_an_endpoint_a_router_dropped_is_readded_without_a_restart(tmp_path: Path) -> None:
+    make, ops, rendered, _log = _cluster(tmp_path)
+    h = make()
+    h._connect_routers()
+    d1 = _engines(rendered, "decode-1")
+    url = sorted(_urls(d1))[0]
+    make.copies[h.routers[1].url]._members.pop(url)
+    res = make().run()
+    assert [(f.kind, f.slice) for f in res.findings] == [("missing", "decode-1")]
+    assert "router 1" in res.findings[0].detail
+    assert res.actions[0].steps == ["readd"] and res.result == "healed"
+    assert not ops.actions() and url in make.copies[h.routers[1].url].members()
+
+
+def test_a_single_instance_role_is_restarted_in_place(tmp_path: Path) -> None:
+    make, ops, rendered, log = _cluster(tmp_path, hosts=2)
+    d0 = _engines(rendered, "decode-0")
+    _set(ops, d0, fault="hung")
+    res = make().run()
+    [a] = res.actions
+    assert a.steps == ["restart", "pair-smoke"] and "only decode instance" in a.note and a.result == "healed"
+    assert not [x for x in log if x[1] in ("remove", "add")]
+
+
+# --- failures, flap damping, dry run ----------------------------------------------------------------------------
+
+
+def test_a_failed_restart_stops_the_round_and_is_recorded(tmp_path: Path) -> None:
+    make, ops, rendered, _log = _cluster(tmp_path)
+    d0, p1 = _engines(rendered, "decode-0"), _engines(rendered, "prefill-1")
+    _set(ops, d0, fault="hung")
+    _set(ops, p1[:1], state="failed")
+    ops.fail_ready = {ops.procs[p1[0].host][p1[0].id]["tag"]}
+    res = make().run()
+    assert res.result == "failed" and res.exit_code == 1
+    assert "did not become ready" in res.error
+    assert [(a.slice, a.result) for a in res.actions] == [("prefill-1", "failed"), ("decode-0", "planned")]
+    assert [(e["slice"], e["result"]) for e in state.heal_events(CLUSTER)] == [("prefill-1", "failed")]
+    # the failed slice stays drained: it must not get requests
+    copy0 = make.copies[next(iter(make.copies))]
+    assert not _urls(p1) & set(copy0.members())
+
+
+def test_flap_damping_escalates_after_max_actions_per_slice_within_the_window(tmp_path: Path) -> None:
+    make, ops, rendered, _ = _cluster(tmp_path)
+    d0 = _engines(rendered, "decode-0")
+    for ts in (NOW - 7200, NOW - 100, NOW - 50):  # the first is outside the 3600 s window
+        state.append_heal_event(CLUSTER, {"event": "action", "slice": "decode-0", "result": "healed", "ts": ts})
+    _set(ops, d0, fault="hung")
+    res = make(HealOptions.resolve(drain_quiet=0.0, max_actions=3)).run()
+    assert res.result == "healed"  # two within the window: a third action is allowed
+    _set(ops, d0, fault="hung")
+    res = make(HealOptions.resolve(drain_quiet=0.0, max_actions=3)).run()
+    assert res.result == "escalated" and res.exit_code == 1
+    assert res.actions[0].result == "escalated"
+    assert "decode-0 was healed 3 time(s) within the last 3600s (at most 3)" in res.escalations[0]
+    assert len(_restarted(ops)) == 1  # nothing was touched the second time
+    assert state.heal_events(CLUSTER)[-1]["event"] == "escalate"
+    # a wider limit from the topology lets it act again
+    res = make(HealOptions.resolve(TopologyHeal(max_actions=5), drain_quiet=0.0)).run()
+    assert res.result == "healed"
+
+
+def test_dry_run_plans_and_changes_nothing(tmp_path: Path, state_dir: Path) -> None:
+    make, ops, rendered, log = _cluster(tmp_path)
+    _set(ops, _engines(rendered, "decode-0"), fault="hung")
+    res = make(HealOptions.resolve(dry_run=True)).run()
+    assert res.result == "planned" and res.exit_code == 3 and res.dry_run
+    assert [(a.slice, a.result) for a in res.actions] == [("decode-0", "planned")]
+    assert not ops.actions() and not [x for x in log if x[1] in ("remove", "add", "hold")]
+    assert not state.heal_events_path(CLUSTER).exists() and res.run_dir is None
+
+
+def test_options_come_from_heal_yml_then_the_topology_then_the_command_line() -> None:
+    d = HealOptions.resolve()
+    assert (d.hang_deadline, d.max_actions, d.window) == (20.0, 3, 3600.0)
+    t = HealOptions.resolve(TopologyHeal(hang_deadline_s=5, window_s=60))
+    assert (t.hang_deadline, t.max_actions, t.window) == (5, 3, 60)
+    c = HealOptions.resolve(TopologyHeal(hang_deadline_s=5), hang_deadline=2.5, max_actions=None)
+    assert (c.hang_deadline, c.max_actions) == (2.5, 3)
+
+
+def test_heal_needs_a_pd_cluster(tmp_path: Path) -> None:
+    inv = _inventory(tmp_path, 1)
+    topo = load_topology("a3-colocated")
+    rendered = render(make_plan(inv, topo), inv, topo)
+    rec = state.ReleaseRecord.now(release="r", cluster=CLUSTER, hosts=rendered.releases, result="deployed")
+    with pytest.raises(InvalidInput, match="colocated"):
+        Healer(inv, rec, rendered, HealOptions(), lambda m: None, ops=FakeOps(inv, tmp_path, {}, {}))
+
+
+def test_the_event_log_is_jsonl_and_a_damaged_line_is_named(state_dir: Path) -> None:
+    state.append_heal_event(CLUSTER, {"event": "action", "slice": "decode-0"})
+    path = state.heal_events_path(CLUSTER)
+    with path.open("a") as f:
+        f.write('{"event": "act')  # an interrupted write
+    state.append_heal_event(CLUSTER, {"event": "action", "slice": "decode-1"})
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and json.loads(lines[2])["slice"] == "decode-1"  # kept apart from the cut line
+    with pytest.raises(StateError, match=r"heal-events.jsonl \(line 2\) is damaged"):
+        state.heal_events(CLUSTER)
+
+
+# --- the command line ------------------------------------------------------------------------------------------
+
+
+def _cli(monkeypatch, make, *args: str):
+    import functools
+
+    monkeypatch.setattr(heal, "Healer", functools.partial(
+        Healer, ops=make().ops, http=make.http, instances=lambda url, api_key=None, http=None: make.copies[url],
+        front=lambda url, api_key=None, http=None: FakeFront([])))
+    return CliRunner().invoke(app, ["heal", *args])
+
+
+def test_cli_exit_codes_and_json(tmp_path: Path, monkeypatch) -> None:
+    make, ops, rendered, _ = _cluster(tmp_path)
+    make()._connect_routers()  # the copies exist before the CLI's Healer asks for them
+    inv = str(tmp_path / "inv.yml")
+    ok = _cli(monkeypatch, make, "-i", inv, "--once", "--output", "json")
+    assert ok.exit_code == 0, ok.output
+    doc = json.loads(ok.stdout)
+    assert (doc["schema_version"], doc["result"], doc["cluster"]) == (1, "healthy", CLUSTER)
+    _set(ops, _engines(rendered, "decode-1"), fault="hung")
+    planned = _cli(monkeypatch, make, "-i", inv, "--dry-run", "--hang-deadline", "3")
+    assert planned.exit_code == 3, planned.output
+    assert "would heal" in planned.stdout and "decode-1" in planned.stdout and "within 3s" in planned.stdout
+    assert not ops.actions()
+    for _ in range(2):
+        state.append_heal_event(CLUSTER, {"event": "action", "slice": "decode-1", "result": "healed"})
+    esc = _cli(monkeypatch, make, "-i", inv, "--once", "--max-actions", "2", "--output", "json")
+    assert esc.exit_code == 1
+    assert json.loads(esc.stdout)["result"] == "escalated" and "decode-1 was healed 2 time(s)" in esc.stderr
+    assert "Traceback" not in esc.output
+
+
+def test_cli_bad_input_is_exit_2(tmp_path: Path) -> None:
+    missing = CliRunner().invoke(app, ["heal", "-i", str(tmp_path / "nope.yml"), "--once"])
+    assert missing.exit_code == 2
+    _inventory(tmp_path, 2)
+    never = CliRunner().invoke(app, ["heal", "-i", str(tmp_path / "inv.yml"), "--once"])
+    assert never.exit_code == 2 and "no current release" in never.output
+    assert "Traceback" not in never.output
+
+
+def test_a_host_error_while_reading_the_hosts_is_exit_1(tmp_path: Path, monkeypatch) -> None:
+    make, ops, _, _ = _cluster(tmp_path)
+
+    def unreachable(hosts=None):
+        raise HostError("cannot read the current state of 1 host(s)", host="atlas-02", step="observe")
+
+    monkeypatch.setattr(ops, "observe", unreachable)
+    res = _cli(monkeypatch, make, "-i", str(tmp_path / "inv.yml"), "--once")
+    assert res.exit_code == 1 and "atlas-02" in res.output and "Traceback" not in res.output
