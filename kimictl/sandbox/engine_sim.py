@@ -1520,8 +1520,9 @@ class ApiHandler(BaseHTTPRequestHandler):
         sim = self.sim
         if sim.hung():
             log.warning("simulated fault engine_hang_since: this completion stalls until a restart")
-            while sim.hung() and not sim.stop.wait(0.5):
-                pass
+            while sim.hung():
+                if sim.stop.wait(0.5):  # shut down while hung: the request is lost, as with a killed engine
+                    raise RequestError(500, "the engine shut down while hung (simulated fault engine_hang_since)")
         ignored = sorted(set(body) - KNOWN_REQUEST_FIELDS)
         if ignored:
             log.warning("The following fields were present in the request but ignored: %s", set(ignored))
