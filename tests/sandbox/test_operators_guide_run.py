@@ -13,7 +13,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,9 +66,9 @@ def guide(sandbox_a3, tmp_path_factory):
     """The guide's sandbox blocks run once, in a fresh working directory, with kimictl's venv first on PATH (as
     after `source .venv/bin/activate`)."""
     work = tmp_path_factory.mktemp("operator")
-    # kimictl keeps Ansible's SSH control sockets under KIMICTL_STATE_DIR/<cluster>/runs/<run>/cp, and a socket
-    # path may not pass 107 bytes: pytest's temporary directories are too deep for that (docs/operators.md#t-cp-path)
-    state = tempfile.mkdtemp(prefix="kg-", dir="/tmp")
+    # deep on purpose: runs/<run>/cp under it is too long for Ansible's SSH control sockets, which kimictl then
+    # keeps in a short private directory (kimictl.ansible.control_socket_dir)
+    state = str(tmp_path_factory.mktemp("kimictl-state-deeper-than-a-socket-path-allows"))
     sandbox_a3.env = {"KIMICTL_STATE_DIR": state}
     env = {**os.environ, **sandbox_a3.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     proc = subprocess.run(["bash", "-c", _script(BLOCKS, str(sandbox_a3.dir))], cwd=work, env=env,
