@@ -207,8 +207,9 @@ class VersionProfile(Strict):
     # Libraries preloaded when present where the engine runs (the image installs them; e.g. jemalloc).
     preload: list[str] = Field(default_factory=list)
 
-    def image(self, hw: Hardware) -> str:
-        return f"{self.image_repo}:{self.image_tag}{hw.image_suffix}"
+    def image(self, hw: Hardware, repo: str | None = None) -> str:
+        """The engine image: the profile's repository (or `repo`, a mirror's), its tag and the hardware's suffix."""
+        return f"{repo or self.image_repo}:{self.image_tag}{hw.image_suffix}"
 
     @property
     def prerelease(self) -> bool:
