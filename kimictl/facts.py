@@ -25,7 +25,7 @@ class Hardware(Strict):
     name: str
     description: str
     chip: str
-    npu_smi_name: str
+    npu_smi_names: list[str]   # the chip names `npu-smi info` may show for this model
     npus: int
     chips_per_npu: int
     hbm_mib: int
