@@ -336,6 +336,20 @@ def deviations() -> dict[str, Deviation]:
     return {k: Deviation(id=k, **v) for k, v in _load(DATA_DIR / "deviations.yml").items()}
 
 
+class LogLine(Strict):
+    """A log line the operator's guide explains (data/log_lines.yml): `kimictl logs` names its row."""
+
+    anchor: str     # the row in docs/operators.md
+    what: str
+    pattern: str    # a Python regex, searched in each line
+    example: str    # a line the pattern matches, quoted in the row
+
+
+@functools.cache
+def log_lines() -> list[LogLine]:
+    return [LogLine(**x) for x in _load(DATA_DIR / "log_lines.yml")]
+
+
 @functools.cache
 def check_specs() -> dict[str, CheckSpec]:
     return {k: CheckSpec(id=k, **v) for k, v in _load(DATA_DIR / "checks.yml").items()}

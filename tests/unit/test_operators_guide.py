@@ -180,6 +180,18 @@ def test_every_link_inside_the_guide_lands() -> None:
         assert (doc.GUIDE.parent / rel).exists(), rel
 
 
+def test_every_row_kimictl_points_at_exists() -> None:
+    """A hint or fix in kimictl's code or data that names a row of the guide (`guide("t-...")`,
+    `docs/operators.md#t-...`) names one that is there."""
+    named = {}
+    for path in (doc.ROOT / "kimictl").rglob("*"):
+        if path.suffix in (".py", ".yml") and "sandbox" not in path.parts:
+            for m in re.finditer(r"guide\(\s*['\"](t-[\w-]+)['\"]|operators\.md#(t-[\w-]+)", path.read_text()):
+                named.setdefault(m.group(1) or m.group(2), path.name)
+    assert {"t-engine-start", "t-proxy-start", "t-readiness", "t-net-004"} <= set(named)
+    assert not set(named) - doc.anchors(), {a: f for a, f in named.items() if a not in doc.anchors()}
+
+
 def test_the_readme_links_the_guide_first() -> None:
     first = re.search(r"\]\(([^)]+)\)", doc.README.read_text())
     assert first and first.group(1) == "docs/operators.md"
@@ -227,3 +239,33 @@ def test_a_failed_pair_probe_points_at_its_row(monkeypatch, code: int, decode_mo
     assert pair.get("hint") == (anchor and f"docs/operators.md#{anchor}")
     if anchor:
         assert anchor in doc.anchors()
+
+
+def test_every_known_log_line_is_quoted_in_its_row() -> None:
+    """`kimictl logs` names a row for each line of data/log_lines.yml: the row exists, quotes the example, and the
+    pattern matches the example."""
+    from kimictl.facts import log_lines
+
+    known = log_lines()
+    assert {k.anchor for k in known} >= {"t-kv-recompute", "t-kv-port", "t-hccl-timeout", "t-kv-transfer", "t-hbm-oom"}
+    for k in known:
+        assert k.anchor in doc.anchors(), k.anchor
+        assert re.search(k.pattern, k.example) and k.example in doc.row(k.anchor), k.anchor
+
+
+def test_logs_name_the_rows_of_the_lines_they_hold() -> None:
+    from kimictl.logs import log_hints
+
+    logs = [{"host": "atlas-02", "id": f"decode-0-dp{r}", "lines": [
+        "INFO 07-01 10:00:00 [loggers.py:123] Engine 000: Avg prompt throughput: 0.0 tokens/s",
+        *[f"WARNING 07-01 10:00:0{i} [recompute_scheduler.py:872] [RecomputeScheduler] Recompute triggered for "
+          f"request cmpl-{r}{i}." for i in range(r + 1)]]} for r in range(2)]
+    logs.append({"host": "atlas-01", "id": "prefill-0-dp0", "lines": [
+        "zmq.error.ZMQError: Address already in use (addr='tcp://10.0.0.11:36000')"]})
+    logs.append({"host": "atlas-01", "id": "proxy", "lines": ["INFO:     Uvicorn running on http://127.0.0.1:8001"]})
+    hints = {h["hint"]: h for h in log_hints(logs)}
+    assert sorted(hints) == ["docs/operators.md#t-kv-port", "docs/operators.md#t-kv-recompute"]
+    rc = hints["docs/operators.md#t-kv-recompute"]
+    assert rc["engines"] == ["decode-0-dp0", "decode-0-dp1"] and rc["count"] == 3
+    assert rc["line"].endswith("Recompute triggered for request cmpl-11.") and "KV cache" in rc["what"]
+    assert hints["docs/operators.md#t-kv-port"]["engines"] == ["prefill-0-dp0"]
