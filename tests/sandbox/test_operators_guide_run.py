@@ -168,11 +168,16 @@ def test_a_link_down_under_a_serving_cluster_leads_to_the_pair_probe_row(guide) 
     try:
         proc = kimictl("status", "-i", inv, env=guide.env)
         assert proc.returncode == 3, proc.stdout[-3000:]
-        assert "P/D pair probe: failed - HTTP 500" in proc.stdout and "KV transfer from prefill engine" in proc.stdout
-        assert "hint: docs/operators.md#t-pair-probe" in proc.stdout
+        # vllm-ascend's proxy has answered 200 before decode fails the request: the answer is empty
+        assert "P/D pair probe: failed - HTTP 200 without a completion;" in proc.stdout, proc.stdout[-3000:]
+        assert "(an empty answer)" in proc.stdout and "hint: docs/operators.md#t-pair-probe" in proc.stdout
         row = doc.row("t-pair-probe")
-        assert "KV transfer from prefill engine" in row and "(#t-kv-transfer)" in row
-        assert "KV transfer from prefill engine" in doc.row("t-kv-transfer")
+        assert "HTTP 200 without a completion" in row and "(#t-kv-transfer)" in row
+        # the row sends the operator to decode's log, whose hint names the KV-transfer row
+        logs = kimictl("logs", "-i", inv, "--role", "decode", "--lines", "200", env=guide.env)
+        assert re.search(r"KV transfer for request \S+ from prefill engine .* failed", logs.stdout), logs.stdout[-3000:]
+        assert re.search(r"^hint: decode-0-dp\d.*; see docs/operators\.md#t-kv-transfer$", logs.stdout, flags=re.M)
+        assert "KV transfer for request ... from prefill engine ... failed" in doc.row("t-kv-transfer")
     finally:
         guide.fault("clear:all")
     assert kimictl("status", "-i", inv, env=guide.env).returncode == 0
