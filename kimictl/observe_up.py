@@ -142,9 +142,11 @@ def desired_procs(plan: Plan, inv: Inventory, r: ObserveRender, cfg: ObserveConf
     m = inv.host(r.monitor_host)
     od = f"{m.kimi_state_dir}/{OBSERVE_DIR}"
     b = binary(m.name, cfg.prometheus.binaries)
+    # No --web.enable-lifecycle (it opens POST /-/quit to the business network): a changed config changes the
+    # process's tag, so the supervisor restarts Prometheus.
     cmd = [b or "", f"--config.file={od}/prometheus.yml", f"--storage.tsdb.path={od}/data",
            f"--storage.tsdb.retention.time={cfg.prometheus.retention}",
-           f"--web.listen-address={m.ip}:{cfg.prometheus.port}", "--web.enable-lifecycle"]
+           f"--web.listen-address={m.ip}:{cfg.prometheus.port}"]
     files = [c for k, c in sorted(r.files.items()) if _on_monitor(k)]
     procs.append(Proc(m.name, PROMETHEUS, "monitor", _tag(*cmd, *files), cmd, m.ip, cfg.prometheus.port, True,
                       "monitor"))

@@ -170,6 +170,36 @@ def driver_checks(j: _Judge, host: str, drv: str, ver: VersionProfile) -> None:
           f"HDK {floor}" if floor else f"no validated HDK recorded for vllm-ascend {ver.version}")
 
 
+SSHD_FLOOR = (7, 7)   # the weights peer key's authorized_keys line uses expiry-time (OpenSSH 7.7)
+
+
+def tools_checks(j: _Judge, inv: Inventory, host: str, p: Probe) -> None:
+    """RT-004: python3 at the host Python floor (and kimi_python), rsync, and an OpenSSH sshd of 7.7 or later."""
+    from kimictl import HOST_PYTHON_FLOOR
+
+    floor = ".".join(map(str, HOST_PYTHON_FLOOR))
+    bad, seen = [], []
+    for i, argv in enumerate(host_pythons(inv)):
+        name, out = " ".join(argv), p.text(f"python-{i}").strip()
+        if p.rc(f"python-{i}") != 0 or not re.fullmatch(r"\d+\.\d+\.\d+", out):
+            bad.append(f"{name}: {out.splitlines()[-1] if out else 'not found'}")
+        elif tuple(map(int, out.split(".")[:2])) < HOST_PYTHON_FLOOR:
+            bad.append(f"{name} is {out}, kimictl's host-side code needs {floor} or later")
+        else:
+            seen.append(f"{name} {out}")
+    if p.rc("rsync") != 0:
+        bad.append("rsync not found on PATH")
+    m = re.search(r"OpenSSH_(\d+)\.(\d+)", p.text("sshd"))
+    if not m:
+        bad.append(f"sshd is not OpenSSH ({p.text('sshd') or 'no banner'}); the weights peer key needs OpenSSH's "
+                   "restrict and expiry-time")
+    elif (int(m.group(1)), int(m.group(2))) < SSHD_FLOOR:
+        bad.append(f"sshd OpenSSH {m.group(1)}.{m.group(2)} is older than 7.7 (the weights peer key's expiry-time)")
+    if not bad:
+        seen += [f"rsync {p.text('rsync').strip()}", f"sshd OpenSSH {m.group(1)}.{m.group(2)}"]
+    j.add("RT-004", host, not bad, "; ".join(bad) or ", ".join(seen))
+
+
 def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_bytes: int,
                  estimate: str | None) -> None:
     hw = hardware_catalogue()[h.kimi_hardware]
@@ -221,6 +251,8 @@ def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_
               f"image {plan.image} " + ("present" if p.rc("image") == 0 else "not present"))
         j.add("RT-001", h.name, p.rc("docker") == 0,
               f"docker server {p.text('docker').strip()}" if p.rc("docker") == 0 else "docker not usable")
+
+    tools_checks(j, inv, h.name, p)
 
     # network
     down = [f"NPU {i} link {ascend.parse_link(p.text(f'link-{i}'))}" for i in planned
@@ -389,7 +421,13 @@ def _probe_script(inv: Inventory, plan: Plan, h: Host, pings: list[dict]) -> str
         model_dir=inv.cluster.kimi_model_dir, state_dir=h.kimi_state_dir, nic=h.kimi_nic,
         runtime=inv.cluster.kimi_runtime, image=plan.image, pings=pings, ping_flag=hw.device_ping,
         engine_command=(h.kimi_engine_command or "vllm").split()[0],  # the program, not its arguments
-        proxy_check=_proxy_check(inv, plan, h))
+        pythons=host_pythons(inv), proxy_check=_proxy_check(inv, plan, h))
+
+
+def host_pythons(inv: Inventory) -> list[list[str]]:
+    """The interpreters kimictl's host-side code runs under: `python3` (supervisor, proxy front), and the weights
+    agent's kimi_python when it names another one."""
+    return [["python3"]] + ([shlex.split(inv.cluster.kimi_python)] if inv.cluster.kimi_python != "python3" else [])
 
 
 def _proxy_check(inv: Inventory, plan: Plan, h: Host) -> list[str] | None:
@@ -427,7 +465,9 @@ def run_preflight(inv: Inventory, plan: Plan, *, timeout: float = 20.0, accept_n
         def probe(name: str, s: Session) -> Probe:
             t0 = time.time()
             res = s.run("bash -c " + shlex.quote(scripts[name]), stdin="", timeout=timeout)
-            return Probe(parse_sections(res.stdout), t_sent=t0, t_back=time.time())
+            sections = parse_sections(res.stdout)
+            sections["sshd"] = (s.transport().remote_version or "", 0)   # the server's banner: SSH-2.0-OpenSSH_9.2p1
+            return Probe(sections, t_sent=t0, t_back=time.time())
 
         for name, r in sessions.each(probe).items():
             if isinstance(r, SSHError):

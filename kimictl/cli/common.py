@@ -134,6 +134,9 @@ def handle_errors(fn: F) -> F:
         except KeyboardInterrupt:
             sys.stderr.write("interrupted\n")
             raise typer.Exit(130) from None
+        except BrokenPipeError:
+            raise  # stdout's reader went away (`kimictl plan | head`): click ends quietly (exit 1), as it does when
+            # the pipe breaks at the last flush
         except OSError as exc:
             if os.environ.get(DEBUG_ENV):
                 raise

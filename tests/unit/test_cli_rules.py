@@ -96,3 +96,23 @@ def test_smoke_and_http_bodies_read_as_words_and_json_never_python() -> None:
                     "external prefix cache queries +412)")
     assert body_text({"error": {"message": "bad", "ok": False}}) == '{"error":{"message":"bad","ok":false}}'
     assert body_text("plain", 3) == "pla"
+
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly() -> None:
+    """`kimictl plan | head`: a write to a closed pipe is not "the operation failed: Broken pipe"; it reaches click,
+    which ends quietly with exit 1 (as when the pipe breaks at the interpreter's last flush)."""
+    import subprocess
+    import sys
+
+    from kimictl.cli.common import handle_errors
+
+    @handle_errors
+    def cmd() -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with pytest.raises(BrokenPipeError):
+        cmd()
+    p = subprocess.run(f"{sys.executable} -m kimictl plan -i inventories/a3-pd.yml --topology a3-pd | head -c 1",
+                       check=False, shell=True, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert "Traceback" not in p.stderr and "error:" not in p.stderr

@@ -45,6 +45,7 @@ def test_each_host_runs_node_exporter_the_proxy_host_the_exporter_and_prometheus
     prom = by[(r.monitor_host, "prometheus")].cmd
     assert prom[0] == "/usr/bin/prometheus" and "--config.file=/var/lib/kimi/observe/prometheus.yml" in prom
     assert f"--web.listen-address={ip}:9090" in prom and "--storage.tsdb.retention.time=15d" in prom
+    assert not any("lifecycle" in a for a in prom), "no unauthenticated /-/quit on the business network"
     # a changed rule restarts Prometheus (new tag); the other processes keep theirs
     topo = p.topology.model_copy(update={"slo": Slo(tpot_ms=40)})
     r2 = observe.render_observe(p.plan, p.inventory, topo)

@@ -139,7 +139,7 @@ def _probe_run(tmp_path: Path, smi: str = SMI_IDLE, **over) -> dict[str, tuple[s
     ctx = dict(host="h1", npus=range(3), health_npus=[1], device_ip_query="-ip", model_dir=str(model),
                state_dir=str(tmp_path / "state"), nic="lo", runtime="host", image="img", ports=[1],
                engine_command="sh", pings=[{"npu": 0, "address": "10.9.9.8"}, {"npu": 2, "address": "10.9.9.9"}],
-               ping_flag="-ping", proxy_check=None)
+               ping_flag="-ping", pythons=[["python3"]], proxy_check=None)
     ctx.update(over)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -336,3 +336,37 @@ def test_a2_chip_bins_pass_hw002_and_hw004_catches_a_smaller_hbm(chip: str, hbm:
         assert f"({chip}); the plan assumes 65536 MB per NPU" in got["HW-004"].message
     if hw002 == "fail":
         assert got["HW-002"].message == f"chip name {chip}; atlas-800-a2 shows 910B1/910B2/910B2C/910B3/910B4"
+
+
+def test_probe_reads_the_host_pythons_and_rsync(tmp_path: Path) -> None:
+    sec = _probe_run(tmp_path / "a", pythons=[[sys.executable], ["/nonexistent/python3"]])
+    assert sec["python-0"] == (".".join(map(str, sys.version_info[:3])), 0)
+    assert sec["python-1"][1] != 0
+    rsync = shutil.which("rsync", path="/usr/bin:/bin")
+    assert sec["rsync"] == ((rsync, 0) if rsync else ("", 1))
+
+
+@pytest.mark.parametrize(("sections", "status", "says"), [
+    ({"python-0": ("3.9.18", 0), "rsync": ("/usr/bin/rsync", 0), "sshd": ("SSH-2.0-OpenSSH_8.8", 0)}, "pass",
+     "python3 3.9.18, rsync /usr/bin/rsync, sshd OpenSSH 8.8"),
+    ({"python-0": ("3.7.9", 0), "rsync": ("/usr/bin/rsync", 0), "sshd": ("SSH-2.0-OpenSSH_8.8", 0)}, "fail",
+     "python3 is 3.7.9, kimictl's host-side code needs 3.9 or later"),
+    ({"python-0": ("bash: python3: command not found", 127), "rsync": ("/usr/bin/rsync", 0),
+      "sshd": ("SSH-2.0-OpenSSH_8.8", 0)}, "fail", "python3: bash: python3: command not found"),
+    ({"python-0": ("3.11.2", 0), "rsync": ("", 1), "sshd": ("SSH-2.0-OpenSSH_9.2p1 Debian-2", 0)}, "fail",
+     "rsync not found on PATH"),
+    ({"python-0": ("3.11.2", 0), "rsync": ("/usr/bin/rsync", 0), "sshd": ("SSH-2.0-OpenSSH_7.4", 0)}, "fail",
+     "sshd OpenSSH 7.4 is older than 7.7"),
+    ({"python-0": ("3.11.2", 0), "rsync": ("/usr/bin/rsync", 0), "sshd": ("SSH-2.0-dropbear_2022.83", 0)}, "fail",
+     "sshd is not OpenSSH (SSH-2.0-dropbear_2022.83)"),
+])
+def test_rt004_host_tools(tmp_path: Path, sections: dict, status: str, says: str) -> None:
+    """RT-004: what kimictl's own host-side code needs on every host, checked before anything runs there."""
+    from kimictl.preflight import Probe, _Judge, tools_checks
+
+    inv = load_inventory(_a3_inventory(tmp_path, 2))
+    j = _Judge(set())
+    tools_checks(j, inv, "h1", Probe(sections))
+    (r,) = j.results
+    assert (r.id, r.status) == ("RT-004", status) and says in r.message
+    assert status == "pass" or "docs/operators.md#t-rt-004" in r.fix
