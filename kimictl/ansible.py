@@ -8,9 +8,12 @@ hub tokens). Tasks that handle a secret take it on stdin or from a file, with no
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
+import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kimictl.errors import KimictlError
 from kimictl.resources import playbooks_dir
 
 
@@ -37,11 +41,45 @@ class RunSpec:
     cmdline: str | None = None
 
 
+SUN_PATH_MAX = 107            # bytes of a unix socket path (sun_path is 108 with its NUL)
+SSH_BIND_SUFFIX = 17          # ssh binds a ControlMaster socket as "<path>.<16 random chars>", then renames it
+ANSIBLE_CONTROL_NAME = 11     # ansible's ControlPath is "<dir>/<10 hex of a hash>"
+
+
+def control_socket_dir(preferred: Path, name_len: int = ANSIBLE_CONTROL_NAME) -> Path:
+    """Where SSH ControlMaster sockets go: `preferred`, unless a socket path under it (`name_len` more bytes, plus
+    ssh's temporary suffix while binding) would not fit in a unix socket address; then /tmp/kimictl-cp-<hash of
+    preferred> (made private by `make_private_dir`). A too-long path makes every ssh connection fail, and Ansible
+    reports only UNREACHABLE."""
+    if len(os.fsencode(str(preferred))) + name_len + SSH_BIND_SUFFIX <= SUN_PATH_MAX:
+        return preferred
+    return Path("/tmp") / f"kimictl-cp-{hashlib.sha256(os.fsencode(str(preferred))).hexdigest()[:12]}"
+
+
+def _private(path: Path) -> bool:
+    """A directory (not a symlink) of this user that nobody else can use."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+
+def make_private_dir(path: Path) -> Path:
+    """Create `path` (mode 0700), or accept it when it exists as a private directory of ours; refuse a symlink or a
+    directory someone else made (in a shared /tmp)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not _private(path):
+        raise KimictlError(f"{path} is not a private directory of this user (it is for SSH control sockets)",
+                           hint=f"remove {path}, or set KIMICTL_STATE_DIR to a shorter path")
+    return path
+
+
 def build_run_spec(run_dir: Path, playbook: str, inventory: Path, extravars: dict[str, Any], *, ident: str,
                    hosts: list[str], limit: list[str] | None = None, check: bool = False,
                    host_key_args: str = "") -> RunSpec:
     """host_key_args: OpenSSH options with the known_hosts files and policy (kimictl.ssh.ansible_host_key_args)."""
-    control = run_dir / "cp"
+    control = control_socket_dir(run_dir / "cp")
     return RunSpec(
         private_data_dir=str(run_dir / "ansible" / ident),
         playbook=str(playbooks_dir() / playbook),
@@ -167,6 +205,8 @@ def run_playbook(spec: RunSpec, on_event: Callable[[str, str, str], None] | None
     path = os.environ.get("PATH", "")
     if (Path(bindir) / "ansible-playbook").exists() and bindir not in path.split(":"):
         envvars["PATH"] = f"{bindir}:{path}"
+    if spec.envvars.get("ANSIBLE_SSH_CONTROL_PATH_DIR"):
+        make_private_dir(Path(spec.envvars["ANSIBLE_SSH_CONTROL_PATH_DIR"]))
     # runner passes env/extravars as `-e @file`; given extravars itself it would put them on the command line
     _remove_stale_extravars(pdd.parents[2])
     extravars = pdd / "env" / "extravars"
@@ -191,10 +231,13 @@ def run_playbook(spec: RunSpec, on_event: Callable[[str, str, str], None] | None
 
 
 def close_control_masters(run_dir: Path) -> None:
-    """ControlPersist masters outlive ansible-playbook; end the ones this run opened."""
-    cp = run_dir / "cp"
-    if not cp.is_dir():
+    """ControlPersist masters outlive ansible-playbook; end the ones this run opened (and remove their directory
+    when it is not the run directory's own)."""
+    cp = control_socket_dir(run_dir / "cp")
+    if not _private(cp):
         return
     for sock in cp.iterdir():
         subprocess.run(["ssh", "-o", f"ControlPath={sock}", "-O", "exit", "kimictl-control-master"],
                        capture_output=True, timeout=10, check=False)
+    if cp != run_dir / "cp":
+        shutil.rmtree(cp, ignore_errors=True)

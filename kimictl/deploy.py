@@ -81,7 +81,8 @@ class Deployer:
                                                     "prompt": health.smoke_prompt(), "max_tokens": 16,
                                                     "temperature": 0}, api_key=self.ops.api_key)
         if code != 200 or not isinstance(body, dict) or not body.get("choices"):
-            raise HostError(f"smoke completion through {url} failed: HTTP {code}: {health.body_text(body, 300)}",
+            raise HostError(f"smoke completion through {url} failed: HTTP {code}: "
+                            f"{health.body_text(body, 300) or '(an empty answer)'}",
                             host=self.plan.proxy.host if self.plan.proxy else engines[0].host, step="smoke",
                             hint=guide("t-smoke"))
         after = {p.id: self.http.metric_totals(p.ip, p.port) for p in engines}

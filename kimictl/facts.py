@@ -25,7 +25,7 @@ class Hardware(Strict):
     name: str
     description: str
     chip: str
-    npu_smi_name: str
+    npu_smi_names: list[str]   # the chip names `npu-smi info` may show for this model
     npus: int
     chips_per_npu: int
     hbm_mib: int
@@ -208,8 +208,9 @@ class VersionProfile(Strict):
     # Libraries preloaded when present where the engine runs (the image installs them; e.g. jemalloc).
     preload: list[str] = Field(default_factory=list)
 
-    def image(self, hw: Hardware) -> str:
-        return f"{self.image_repo}:{self.image_tag}{hw.image_suffix}"
+    def image(self, hw: Hardware, repo: str | None = None) -> str:
+        """The engine image: the profile's repository (or `repo`, a mirror's), its tag and the hardware's suffix."""
+        return f"{repo or self.image_repo}:{self.image_tag}{hw.image_suffix}"
 
     @property
     def prerelease(self) -> bool:
@@ -333,6 +334,20 @@ class Deviation(Strict):
 @functools.cache
 def deviations() -> dict[str, Deviation]:
     return {k: Deviation(id=k, **v) for k, v in _load(DATA_DIR / "deviations.yml").items()}
+
+
+class LogLine(Strict):
+    """A log line the operator's guide explains (data/log_lines.yml): `kimictl logs` names its row."""
+
+    anchor: str     # the row in docs/operators.md
+    what: str
+    pattern: str    # a Python regex, searched in each line
+    example: str    # a line the pattern matches, quoted in the row
+
+
+@functools.cache
+def log_lines() -> list[LogLine]:
+    return [LogLine(**x) for x in _load(DATA_DIR / "log_lines.yml")]
 
 
 @functools.cache

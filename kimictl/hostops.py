@@ -323,6 +323,7 @@ class HostOps:
             if st.get("state") in ("failed", "stopped", "dead") or int(st.get("restarts", 0)) > 0:
                 raise HostError(f"{p.kind} {p.id} crashed during start-up (state {st.get('state')}, "
                                 f"restarts {st.get('restarts', 0)}, last exit: {exit_text(st.get('last_exit'))})",
-                                host=p.host,
-                                step="engines", log_tail=self.log_tail(p.host, p.id),
-                                hint=f"the log tail's last ERROR line says why: {guide('t-engine-start')}")
+                                host=p.host, step="proxy" if p.kind == "proxy" else "engines",
+                                log_tail=self.log_tail(p.host, p.id),
+                                hint="the log tail's last ERROR line says why: "
+                                     + (guide("t-proxy-start") if p.kind == "proxy" else guide("t-engine-start")))

@@ -30,6 +30,9 @@ _CLUSTER = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _URL = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(?::\d+)?(?:/[A-Za-z0-9._~/%+-]*)?")
 _API_KEY = re.compile(r"[A-Za-z0-9._~+/=-]{1,4096}")
 _COMMAND = re.compile(r"[A-Za-z0-9._/+@-]+(?: [A-Za-z0-9._/+@=-]+)*")
+# An image repository as docker spells it, without tag or digest: [registry[:port]/]path (lower-case components).
+_REPO_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE_REPO = re.compile(rf"(?=.{{1,255}}\Z)(?:{_LABEL}(?:\.{_LABEL})*(?::\d{{1,5}})?/)?{_REPO_PART}(?:/{_REPO_PART})*")
 
 
 def _matches(pattern: re.Pattern[str], what: str):
@@ -130,6 +133,8 @@ Nic = Annotated[str, AfterValidator(_matches(_NIC, "network interface name"))]
 Address = Annotated[str, AfterValidator(_address)]
 HardwareName = Annotated[str, AfterValidator(_hardware)]
 Command = Annotated[str, AfterValidator(_command)]
+ImageRepo = Annotated[str, AfterValidator(_matches(
+    _IMAGE_REPO, "image repository ([registry[:port]/]path, lower case, no :tag - the version profile names it)"))]
 DeviceIp = Annotated[str, AfterValidator(_ipv4("NPU device IPs are IPv4 (hccn_tool -ip)"))]
 
 
@@ -158,6 +163,8 @@ KEYS: dict[str, Key] = {
     "kimi_vllm_ascend_version": Key("cluster", "vllm-ascend version profile (0.23.0.post1, 0.30.0rc2, ...), default "
                                                "the newest final release"),
     "kimi_runtime": Key("cluster", "container (default) or host"),
+    "kimi_image_repo": Key("cluster", "engine image repository (a registry mirror), e.g. registry.example.internal/"
+                                      "ascend/vllm-ascend; the tag stays the version profile's (plus -a3 on A3)"),
     "kimi_proxy_host": Key("cluster", "inventory host that runs the P/D proxy, default the first prefill host"),
     "kimi_monitor_host": Key("cluster", "inventory host that runs Prometheus (`kimictl observe up`), default the "
                                         "proxy host"),
@@ -198,6 +205,7 @@ class ClusterSettings(BaseModel):
     kimi_model_revision: Revision | None = None
     kimi_vllm_ascend_version: Annotated[str, AfterValidator(_known_version)] | None = None
     kimi_runtime: Literal["container", "host"] = "container"
+    kimi_image_repo: ImageRepo | None = None
     kimi_proxy_host: str | None = None
     kimi_monitor_host: str | None = None
     kimi_api_key_file: AbsPath | None = None

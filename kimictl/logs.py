@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from kimictl import remote, state
-from kimictl.errors import InvalidInput
+from kimictl.errors import InvalidInput, guide
+from kimictl.facts import log_lines
 from kimictl.inventory import Inventory
 from kimictl.ssh import Sessions, SSHError
 
@@ -261,9 +262,22 @@ def tail_logs(inv: Inventory, *, roles: list[str] | None = None, engines: list[s
             text = redactor.redact(text)
         out.append({"host": t.host, "id": t.id, "role": t.role, "path": t.path, "missing": got is None,
                     "lines": text.split("\n") if text else []})
-    return {"schema_version": 1, "cluster": inv.cluster.name, "lines": lines, "logs": out,
+    return {"schema_version": 1, "cluster": inv.cluster.name, "lines": lines, "logs": out, "hints": log_hints(out),
             "redactions": redactor.total if redactor else 0,
             "errors": [{"host": h, "error": e} for h, e in sorted(bad.items())]}
+
+
+def log_hints(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The log lines of these tails the operator's guide explains (data/log_lines.yml): per row, the engines whose
+    tails hold one, how many, the last one, and the row."""
+    out = []
+    for known in log_lines():
+        rx = re.compile(known.pattern)
+        hits = [(e["id"], ln) for e in logs for ln in e["lines"] if rx.search(ln)]
+        if hits:
+            out.append({"engines": sorted({i for i, _ in hits}), "count": len(hits), "line": hits[-1][1][-300:],
+                        "what": known.what, "hint": guide(known.anchor)})
+    return out
 
 
 # --- bundle ----------------------------------------------------------------------------------------------

@@ -614,8 +614,8 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
 
     return Plan(
         cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,
-        vllm_ascend_version=ver.version, image=ver.image(hw), hardware=hw.name, mode=topo.mode,
-        launch=topo.launch, runtime=inv.cluster.kimi_runtime, model_dir=inv.cluster.kimi_model_dir,
+        vllm_ascend_version=ver.version, image=ver.image(hw, inv.cluster.kimi_image_repo), hardware=hw.name,
+        mode=topo.mode, launch=topo.launch, runtime=inv.cluster.kimi_runtime, model_dir=inv.cluster.kimi_model_dir,
         served_model_name=facts.served_model_name, engine_profile=prof.name, host_roles=host_roles,
         instances=instances, engines=engines, proxy=proxy, role_config=role_cfg, fits=fits, switches=decisions,
         ports=ports.uses, warnings=warnings, engine_api_key=inv.cluster.kimi_api_key_file is not None,

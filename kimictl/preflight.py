@@ -215,16 +215,17 @@ def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_
         j.add("HW-001", h.name, len(info.npus) == hw.npus,
               f"npu-smi shows {len(info.npus)} NPUs; {hw.name} has {hw.npus}")
     names = sorted({n.name for n in info.npus})
-    j.add("HW-002", h.name, bool(names) and names == [hw.npu_smi_name],
-          f"chip name {', '.join(names) or 'none'}; {hw.name} reports {hw.npu_smi_name}")
+    j.add("HW-002", h.name, bool(names) and set(names) <= set(hw.npu_smi_names),
+          f"chip name {', '.join(names) or 'none'}; {hw.name} shows {'/'.join(hw.npu_smi_names)}")
     by_id = {n.logical_id: n for n in info.npus}
     sick = [f"NPU {i} health {by_id[i].health}" if i in by_id else f"NPU {i} missing" for i in planned
             if i not in by_id or by_id[i].health != "OK"]
     j.add("HW-003", h.name, not sick, "; ".join(sick) or f"NPUs {planned[0]}-{planned[-1]} OK" if planned else
           "no NPUs planned on this host")
-    odd = [f"NPU {n.logical_id}: {n.hbm_total_mb} MB" for n in info.npus if n.hbm_total_mb != hw.hbm_mib]
-    j.add("HW-004", h.name, not odd if info.npus else None,
-          "; ".join(odd) or f"{hw.hbm_mib} MB HBM per NPU")
+    small = [f"NPU {n.logical_id}: {n.hbm_total_mb} MB" for n in info.npus if n.hbm_total_mb < hw.hbm_mib]
+    j.add("HW-004", h.name, not small if info.npus else None,
+          f"{'; '.join(small)} ({', '.join(names)}); the plan assumes {hw.hbm_mib} MB per NPU" if small else
+          f"at least {hw.hbm_mib} MB HBM per NPU")
     foreign = [f"NPU {npu} held by pid {pid} ({name})" for npu, pid, name, _ in info.processes
                if npu in planned and _pgid(p, pid) not in managed and pid not in managed]
     j.add("HW-005", h.name, not foreign, "; ".join(foreign) or "no foreign process on planned NPUs")

@@ -176,8 +176,11 @@ def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: st
                                        {"model": served, "prompt": health.smoke_prompt(64), "max_tokens": 2},
                                        timeout=30, api_key=api_key)
     moved_p, moved_d = totals(pre, health.PREFILL_COUNTER) - p0, totals(dec, health.DECODE_COUNTER) - d0
-    ok = code == 200 and moved_p > 0 and moved_d > 0
+    # vllm-ascend's proxy has sent 200 before the decode leg runs: when decode fails the request, the answer is empty
+    answered = code == 200 and isinstance(body, dict) and bool(body.get("choices"))
+    ok = answered and moved_p > 0 and moved_d > 0
     return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "ok" if ok else "failed",
-            "detail": f"HTTP {code}; prefill prompt tokens +{moved_p:.0f}, decode external prefix cache +{moved_d:.0f}"
-            + ("" if code == 200 else f": {health.body_text(body)}"),
-            **({} if ok else {"hint": guide("t-pair-probe" if code != 200 else "t-no-kv")})}
+            "detail": f"HTTP {code}{' without a completion' if code == 200 and not answered else ''}; prefill prompt "
+                      f"tokens +{moved_p:.0f}, decode external prefix cache +{moved_d:.0f}"
+            + ("" if answered else f": {health.body_text(body) or '(an empty answer)'}"),
+            **({} if ok else {"hint": guide("t-no-kv") if answered else guide("t-pair-probe")})}

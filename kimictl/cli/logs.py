@@ -83,6 +83,9 @@ def logs(
             typer.echo("")
         if not doc["logs"]:
             typer.echo("no engine or proxy matches" if (role or engine) else "no engine or proxy on these hosts")
+        for h in doc["hints"]:
+            typer.echo(f"hint: {', '.join(h['engines'])}: {h['count']} line(s) like {h['line'].strip()[-160:]!r}: "
+                       f"{h['what']}; see {h['hint']}")
     for e in doc["errors"]:
         sys.stderr.write(f"error: {e['host']}: {e['error']}\n")
     if doc["errors"]:

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import yaml
 
+from kimictl.ansible import control_socket_dir
 from kimictl.sandbox.layout import CONTROL_NIC, ENGINE_COMMAND, MODEL_DIR, HostSpec
 
 MODEL_ID = "Eco-Tech/Kimi-K2.5-W4A8"
-# sun_path is 108 bytes; ssh adds "/<host>-<port>" plus a 17-byte temporary suffix while binding
-MAX_CONTROL_DIR = 64
+CONTROL_NAME = 26   # the ssh_config's ControlPath adds "/<host>-<port>" (e.g. "/127.10.7.32-22732"), with room
 
 
 def control_dir(directory: Path) -> Path:
-    """Where ControlMaster sockets go: D/cp, or a short /tmp dir when D/cp is too long for a socket path."""
-    cp = directory / "cp"
-    if len(str(cp)) <= MAX_CONTROL_DIR:
-        return cp
-    return Path("/tmp") / f"kimictl-cp-{hashlib.sha1(str(directory).encode()).hexdigest()[:12]}"
+    """Where ControlMaster sockets go: D/cp, or a short private /tmp dir when D/cp is too long for a socket path."""
+    return control_socket_dir(directory / "cp", CONTROL_NAME)
 
 
 def ssh_common_args(directory: Path) -> str:

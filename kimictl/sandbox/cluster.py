@@ -21,6 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from kimictl.ansible import make_private_dir
 from kimictl.errors import HostError, InvalidInput, KimictlError
 from kimictl.sandbox import client, layout, system
 from kimictl.sandbox.doubles import hccn_tool
@@ -306,7 +307,7 @@ class Sandbox:
         if not key.exists():
             system.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "kimictl-sandbox", "-f", str(key)])
         shutil.copyfile(key.with_suffix(".pub"), self.dir / "authorized_keys")
-        client.control_dir(self.dir).mkdir(mode=0o700, exist_ok=True)
+        make_private_dir(client.control_dir(self.dir))
 
     def _checkpoint(self, size: int, shards: int) -> Path:
         """A small Kimi-shaped W4A8 checkpoint, generated once per sandbox dir (deterministic)."""

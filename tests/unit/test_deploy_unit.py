@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
-from kimictl.ansible import build_run_spec
+import pytest
+
+from kimictl.ansible import build_run_spec, close_control_masters, make_private_dir
+from kimictl.errors import KimictlError
 from kimictl.hostops import HostObservation, compute_changes, desired_procs
 from kimictl.inventory import load_inventory
 from kimictl.plan import make_plan
@@ -67,6 +71,57 @@ def test_build_run_spec_is_pure(tmp_path: Path) -> None:
     assert spec.envvars["ANSIBLE_HOST_KEY_CHECKING"] == "True" and spec.envvars["ANSIBLE_PIPELINING"] == "True"
     assert spec.envvars["ANSIBLE_SSH_CONTROL_PATH_DIR"] == str(tmp_path / "cp")
     assert spec.extravars == {"kimi": {"x": 1}}
+
+
+def _bind_like_ssh(control_path: Path) -> None:
+    """Bind a unix socket where ssh's ControlMaster does: at "<ControlPath>.<16 random chars>" (then renamed)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(f"{control_path}.0123456789abcdef")
+
+
+def test_control_sockets_fit_under_a_long_state_dir(tmp_path: Path, monkeypatch) -> None:
+    """Past ~79 characters a run's cp/ directory cannot hold ansible's sockets ("<dir>/<10 hex>"): every ssh
+    connection then fails and the playbook reports UNREACHABLE. kimictl uses a short private /tmp dir instead and
+    removes it when the run closes its masters."""
+    from kimictl.state import new_run_dir
+
+    monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "a-state-directory-with-a-rather-long-name"))
+    run_dir = new_run_dir("kimi-a3-production", "deploy")
+    (run_dir / "cp").mkdir(parents=True)
+    with pytest.raises(OSError):
+        _bind_like_ssh(run_dir / "cp" / "0123456789")          # where ansible would put it: too long
+    spec = build_run_spec(run_dir, "engines.yml", ROOT / "inventories/a3-pd.yml", {}, ident="01-engines",
+                          hosts=["h"])
+    cp = Path(spec.envvars["ANSIBLE_SSH_CONTROL_PATH_DIR"])
+    assert cp != run_dir / "cp" and cp.parent == Path("/tmp")
+    assert build_run_spec(run_dir, "switch.yml", ROOT / "inventories/a3-pd.yml", {}, ident="02-switch",
+                          hosts=["h"]).envvars["ANSIBLE_SSH_CONTROL_PATH_DIR"] == str(cp)   # one per run
+    try:
+        assert make_private_dir(cp).stat().st_mode & 0o777 == 0o700
+        _bind_like_ssh(cp / "0123456789")
+        assert any(cp.iterdir())
+        close_control_masters(run_dir)
+        assert not cp.exists()
+    finally:
+        import shutil
+
+        shutil.rmtree(cp, ignore_errors=True)
+    # a short state directory keeps the sockets in the run directory, which stays
+    short = Path(f"/tmp/k-{run_dir.name}")
+    assert build_run_spec(short, "engines.yml", ROOT / "inventories/a3-pd.yml", {}, ident="01-engines",
+                          hosts=["h"]).envvars["ANSIBLE_SSH_CONTROL_PATH_DIR"] == str(short / "cp")
+
+
+def test_a_control_socket_dir_someone_else_can_use_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "cp"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(KimictlError, match="not a private directory"):
+        make_private_dir(shared)
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    with pytest.raises(KimictlError, match="not a private directory"):
+        make_private_dir(tmp_path / "link")
 
 
 def test_deployed_diff(tmp_path: Path, monkeypatch) -> None:

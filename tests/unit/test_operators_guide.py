@@ -180,6 +180,18 @@ def test_every_link_inside_the_guide_lands() -> None:
         assert (doc.GUIDE.parent / rel).exists(), rel
 
 
+def test_every_row_kimictl_points_at_exists() -> None:
+    """A hint or fix in kimictl's code or data that names a row of the guide (`guide("t-...")`,
+    `docs/operators.md#t-...`) names one that is there."""
+    named = {}
+    for path in (doc.ROOT / "kimictl").rglob("*"):
+        if path.suffix in (".py", ".yml") and "sandbox" not in path.parts:
+            for m in re.finditer(r"guide\(\s*['\"](t-[\w-]+)['\"]|operators\.md#(t-[\w-]+)", path.read_text()):
+                named.setdefault(m.group(1) or m.group(2), path.name)
+    assert {"t-engine-start", "t-proxy-start", "t-readiness", "t-net-004"} <= set(named)
+    assert not set(named) - doc.anchors(), {a: f for a, f in named.items() if a not in doc.anchors()}
+
+
 def test_the_readme_links_the_guide_first() -> None:
     first = re.search(r"\]\(([^)]+)\)", doc.README.read_text())
     assert first and first.group(1) == "docs/operators.md"
@@ -197,6 +209,16 @@ def test_deploy_smoke_failures_point_at_their_rows(tmp_path: Path, monkeypatch) 
         _deploy(inv, new, ops, FakeHttp(broken=lambda url: url.endswith("/v1/completions"))).run()
     assert failed.value.step == "smoke" and failed.value.hint == "docs/operators.md#t-smoke"
 
+    class EmptyAnswer(FakeHttp):
+        """vllm-ascend's proxy when the decode leg fails: 200 already sent, then nothing."""
+
+        def http_post_json(self, url: str, body: dict, timeout: float = 60.0, api_key: str | None = None):
+            return (200, "") if url.endswith("/v1/completions") else super().http_post_json(url, body, timeout)
+
+    with pytest.raises(HostError, match=r"failed: HTTP 200: \(an empty answer\)") as empty:
+        _deploy(inv, new, ops, EmptyAnswer()).run()
+    assert empty.value.hint == "docs/operators.md#t-smoke" and "HTTP 200: (an empty answer)" in doc.row("t-smoke")
+
     class DecodeOnly(FakeHttp):
         """Requests complete, but decode's external-KV counter never moves: a silent decode-only fallback."""
 
@@ -210,20 +232,64 @@ def test_deploy_smoke_failures_point_at_their_rows(tmp_path: Path, monkeypatch) 
 
 
 @pytest.mark.parametrize(("code", "decode_moves", "anchor"), [(500, False, "t-pair-probe"), (200, False, "t-no-kv"),
-                                                              (200, True, None)])
-def test_a_failed_pair_probe_points_at_its_row(monkeypatch, code: int, decode_moves: bool, anchor) -> None:
+                                                              (200, True, None), ("empty", False, "t-pair-probe")])
+def test_a_failed_pair_probe_points_at_its_row(monkeypatch, code, decode_moves: bool, anchor) -> None:
+    """("empty": vllm-ascend's proxy answers 200 with an empty body when the decode leg fails)"""
     from kimictl import status
 
     ticks = iter(range(1, 100))
     monkeypatch.setattr(status.health, "metric_totals", lambda ip, port, *a, **k: {
         status.health.PREFILL_COUNTER: float(next(ticks)),
         status.health.DECODE_COUNTER: float(next(ticks)) if decode_moves else 0.0})
-    monkeypatch.setattr(status.health, "http_post_json",
-                        lambda url, body, **k: (code, {"choices": [{"text": "x"}]} if code == 200 else "KV transfer"))
+    monkeypatch.setattr(status.health, "http_post_json", lambda url, body, **k: (
+        (200, "") if code == "empty" else (code, {"choices": [{"text": "x"}]} if code == 200 else "KV transfer")))
     engines = [{"id": f"{r}-0-dp0", "role": r, "state": "ready", "ip": "10.0.0.1", "port": 7100}
                for r in ("prefill", "decode")]
     pair = status._pair_probe(engines, {"state": "ready", "ip": "10.0.0.1", "port": 8000}, "kimi-k2.5")
     assert pair["state"] == ("ok" if anchor is None else "failed")
     assert pair.get("hint") == (anchor and f"docs/operators.md#{anchor}")
+    if code == "empty":
+        assert pair["detail"].startswith("HTTP 200 without a completion; ") and "(an empty answer)" in pair["detail"]
+        assert "HTTP 200 without a completion" in doc.row("t-pair-probe")
     if anchor:
         assert anchor in doc.anchors()
+
+
+def test_every_known_log_line_is_quoted_in_its_row() -> None:
+    """`kimictl logs` names a row for each line of data/log_lines.yml: the row exists, quotes the example, and the
+    pattern matches the example."""
+    from kimictl.facts import log_lines
+
+    known = log_lines()
+    assert {k.anchor for k in known} >= {"t-kv-recompute", "t-kv-port", "t-hccl-timeout", "t-kv-transfer", "t-hbm-oom"}
+    for k in known:
+        assert k.anchor in doc.anchors(), k.anchor
+        assert re.search(k.pattern, k.example) and k.example in doc.row(k.anchor), k.anchor
+
+
+def test_logs_name_the_rows_of_the_lines_they_hold() -> None:
+    from kimictl.logs import log_hints
+
+    logs = [{"host": "atlas-02", "id": f"decode-0-dp{r}", "lines": [
+        "INFO 07-01 10:00:00 [loggers.py:123] Engine 000: Avg prompt throughput: 0.0 tokens/s",
+        *[f"WARNING 07-01 10:00:0{i} [recompute_scheduler.py:872] [RecomputeScheduler] Recompute triggered for "
+          f"request cmpl-{r}{i}." for i in range(r + 1)]]} for r in range(2)]
+    logs.append({"host": "atlas-01", "id": "prefill-0-dp0", "lines": [
+        "zmq.error.ZMQError: Address already in use (addr='tcp://10.0.0.11:36000')"]})
+    logs.append({"host": "atlas-01", "id": "proxy", "lines": ["INFO:     Uvicorn running on http://127.0.0.1:8001"]})
+    hints = {h["hint"]: h for h in log_hints(logs)}
+    assert sorted(hints) == ["docs/operators.md#t-kv-port", "docs/operators.md#t-kv-recompute"]
+    rc = hints["docs/operators.md#t-kv-recompute"]
+    assert rc["engines"] == ["decode-0-dp0", "decode-0-dp1"] and rc["count"] == 3
+    assert rc["line"].endswith("Recompute triggered for request cmpl-11.") and "KV cache" in rc["what"]
+    assert hints["docs/operators.md#t-kv-port"]["engines"] == ["prefill-0-dp0"]
+
+
+def test_the_simulated_engines_kv_transfer_error_is_a_known_line() -> None:
+    """The sandbox's decode logs its failed pull (engine_sim.pull_kv); the pair-probe row sends the operator there."""
+    from kimictl.logs import log_hints
+
+    line = ("ERROR 12-03 10:00:00 [engine_sim] KV transfer for request cmpl-7 from prefill engine prefill-0-dp0 at "
+            "10.0.0.11:7200 failed: GET http://10.0.0.11:7200/kv/cmpl-7 -> HTTP 503: transfer engine: device link down")
+    hints = log_hints([{"host": "atlas-02", "id": "decode-0-dp2", "lines": [line]}])
+    assert [(h["engines"], h["hint"]) for h in hints] == [(["decode-0-dp2"], "docs/operators.md#t-kv-transfer")]

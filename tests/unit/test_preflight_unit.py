@@ -312,6 +312,32 @@ def test_probe_checks_the_upstream_proxy_script_and_its_modules_on_the_proxy_hos
     assert "proxy" not in _probe_run(tmp_path / "d")  # no check asked, no section
 
 
+@pytest.mark.parametrize(("chip", "hbm", "hw002", "hw004"), [
+    ("910B3", 65536, "pass", "pass"),
+    ("910B1", 65536, "pass", "pass"),      # Atlas 800T/800I A2 ship several 910B bins: all are atlas-800-a2
+    ("910B2", 65536, "pass", "pass"),
+    ("910B4", 32768, "pass", "fail"),      # ... but the 32 GB one cannot hold what the plan puts on an NPU
+    ("Ascend910", 65536, "fail", "pass"),  # an A3 die named in an A2 inventory
+])
+def test_a2_chip_bins_pass_hw002_and_hw004_catches_a_smaller_hbm(chip: str, hbm: int, hw002: str, hw004: str) -> None:
+    from kimictl.preflight import Probe, _host_checks, _Judge
+
+    inv = load_inventory(ROOT / "inventories/a2-pd.yml")
+    plan = make_plan(inv, load_topology("a2-pd"))
+    smi = (Path(__file__).parent / "data" / "npu_smi_a2_claimed.txt").read_text()
+    smi = smi.replace("910B3    ", f"{chip:<9}").replace("/ 65536", f"/ {hbm}")
+    j = _Judge(set())
+    _host_checks(j, inv, plan, inv.hosts[0], Probe({"npu-smi": (smi, 0)}), 1, None)
+    got = {r.id: r for r in j.results}
+    assert (got["HW-002"].status, got["HW-004"].status) == (hw002, hw004), (got["HW-002"], got["HW-004"])
+    assert got["HW-004"].severity == "error"
+    if hw004 == "fail":
+        assert got["HW-004"].message.startswith(f"NPU 0: {hbm} MB; NPU 1: {hbm} MB")
+        assert f"({chip}); the plan assumes 65536 MB per NPU" in got["HW-004"].message
+    if hw002 == "fail":
+        assert got["HW-002"].message == f"chip name {chip}; atlas-800-a2 shows 910B1/910B2/910B2C/910B3/910B4"
+
+
 def test_probe_reads_the_host_pythons_and_rsync(tmp_path: Path) -> None:
     sec = _probe_run(tmp_path / "a", pythons=[[sys.executable], ["/nonexistent/python3"]])
     assert sec["python-0"] == (".".join(map(str, sys.version_info[:3])), 0)

@@ -225,3 +225,48 @@ def test_front_limits_come_from_the_topology_and_the_front_accepts_them() -> Non
     assert (args.max_connections, args.max_body, args.header_timeout, args.io_timeout, args.idle_timeout) == (
         4096, 16 * 2**20, 5.0, 60.0, 20.0)
     assert args.admin_key_file == "/var/lib/kimi/secrets/proxy-admin-key" and args.api_key_file is None
+
+
+@pytest.mark.parametrize(("preset", "tag"), [("a3-pd", "v0.23.0.post1-a3"), ("a2-pd", "v0.23.0.post1")])
+def test_kimi_image_repo_points_engines_proxy_and_preflight_at_a_mirror(preset: str, tag: str,
+                                                                        tmp_path: Path) -> None:
+    """Only the repository changes: the tag stays the version profile's, with the hardware's suffix, in every
+    engine's container script, the proxy's router.container.sh, the manifests and preflight's VER-005 probe."""
+    from kimictl.preflight import _probe_script
+
+    mirror = "registry.example.internal:5000/ascend/vllm-ascend"
+    inv_path = tmp_path / "inv.yml"
+    inv_path.write_text((ROOT / "inventories" / f"{preset}.yml").read_text().replace(
+        "  vars:\n", f"  vars:\n    kimi_image_repo: {mirror}\n", 1))
+    default, mirrored = _render(preset), _render(preset, inv_path)
+    assert default.plan.image == f"quay.io/ascend/vllm-ascend:{tag}"
+    assert mirrored.plan.image == f"{mirror}:{tag}" and mirrored.contract()["image"] == f"{mirror}:{tag}"
+    changed = []
+    for host, files in default.files.items():
+        assert sorted(mirrored.files[host]) == sorted(files)
+        for rel, text in files.items():
+            want = text.replace(f"quay.io/ascend/vllm-ascend:{tag}", f"{mirror}:{tag}")
+            if rel != "manifest.json":   # it also carries the release's hash of the files
+                assert mirrored.files[host][rel] == want, f"{host}/{rel}"
+            if want != text:
+                changed.append(rel)
+    scripts = {f"engines/{e.id}.container.sh" for e in default.plan.engines}
+    assert scripts | {"proxy/router.container.sh"} <= set(changed)
+    router = next(f["proxy/router.container.sh"] for f in mirrored.files.values() if "proxy/router.container.sh" in f)
+    assert shlex.quote(f"{mirror}:{tag}") in router.split("exec docker run", 1)[1]
+    inv = load_inventory(inv_path)
+    probe = _probe_script(inv, mirrored.plan, inv.hosts[0], [])
+    assert f"docker image inspect --format '{{{{.Id}}}}' {mirror}:{tag}" in probe
+
+
+@pytest.mark.parametrize("repo", ["quay.io/ascend/vllm-ascend:v0.23.0", "Registry.example/Ascend/vllm-ascend",
+                                  "quay.io/ascend/vllm-ascend@sha256:abcd", "reg.example/a b", "$(reboot)/x",
+                                  "/abs/path", "reg.example//x"])
+def test_kimi_image_repo_takes_a_repository_only(repo: str, tmp_path: Path) -> None:
+    from kimictl.errors import InventoryError
+
+    inv_path = tmp_path / "inv.yml"
+    inv_path.write_text((ROOT / "inventories" / "a3-pd.yml").read_text().replace(
+        "  vars:\n", f"  vars:\n    kimi_image_repo: '{repo}'\n", 1))
+    with pytest.raises(InventoryError, match="kimi_image_repo"):
+        load_inventory(inv_path)
