@@ -18,7 +18,7 @@ from kimictl.errors import HostError, KimictlError
 from kimictl.facts import engine_profile
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
-from kimictl.render import Rendered, write_rendered
+from kimictl.render import Rendered, engine_shims, write_rendered
 from kimictl.secret_file import proxy_api_key
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 from kimictl.state import cached_manifest_bytes, control_dir, save_preflight
@@ -216,7 +216,8 @@ class EngineOps:
         proxy_host = rendered.plan.proxy.host if rendered.plan.proxy else None
         self._playbook("release.yml", {
             "state_dir_of": self.state_dir_of,
-            "bin": {"supervisor.py": str(SUPERVISOR_SRC), "proxy_front.py": str(PROXY_FRONT_SRC)},
+            "bin": {"supervisor.py": str(SUPERVISOR_SRC), "proxy_front.py": str(PROXY_FRONT_SRC),
+                    **engine_shims(rendered.plan)},
             "hosts": {h: {"release": rendered.releases[h], "bundle": str(self._bundle(h))} for h in hosts},
             "proxy_host": proxy_host, "api_key_file": self.inv.cluster.kimi_api_key_file}, hosts)
 
@@ -314,38 +315,35 @@ class Deployer(EngineOps):
     # --- smoke -----------------------------------------------------------------------------------------
 
     def smoke(self) -> dict[str, Any]:
-        """One long-prompt completion; in P/D both sides' KV-transfer counters must move."""
+        """One long-prompt completion; in P/D decode must get the whole prompt over the KV connector."""
         engines = [p for p in desired_procs(self.full_rendered, self.full_inv)
                    if p.kind == "engine" and p.serves_http]
-        before = {p.id: health.metric_totals(p.ip, p.port) for p in engines}
         if self.plan.proxy:
             url = f"http://{self.plan.proxy.ip}:{self.plan.proxy.port}/v1/completions"
-        else:
-            first = engines[0]
-            url = f"http://{first.ip}:{first.port}/v1/completions"
+            side = {r: [(p.ip, p.port) for p in engines if p.role == r] for r in ("prefill", "decode")}
+            probe = health.pd_probe(url, self.plan.served_model_name, side["prefill"], side["decode"], words=400,
+                                    max_tokens=16, timeout=60.0, api_key=self.api_key)
+            if probe.code != 200 or not isinstance(probe.body, dict) or not probe.body.get("choices"):
+                raise HostError(f"smoke completion through {url} failed: HTTP {probe.code}: {str(probe.body)[:300]}",
+                                host=self.plan.proxy.host, step="smoke")
+            if not probe.ok:
+                raise HostError(f"smoke completion did not go prefill -> decode over the KV connector ({probe.detail});"
+                                " a silent decode-only fallback is a failed deploy", host=self.plan.proxy.host,
+                                step="smoke")
+            return {"url": url, "text": probe.body["choices"][0].get("text", "")[:80], **probe.counters()}
+        first = engines[0]
+        url = f"http://{first.ip}:{first.port}/v1/completions"
+        before = {p.id: health.metric_totals(p.ip, p.port) for p in engines}
         code, body = health.http_post_json(url, {"model": self.plan.served_model_name,
                                                  "prompt": health.smoke_prompt(), "max_tokens": 16,
                                                  "temperature": 0}, api_key=self.api_key)
         if code != 200 or not isinstance(body, dict) or not body.get("choices"):
             raise HostError(f"smoke completion through {url} failed: HTTP {code}: {str(body)[:300]}",
-                            host=self.plan.proxy.host if self.plan.proxy else engines[0].host, step="smoke")
+                            host=first.host, step="smoke")
         after = {p.id: health.metric_totals(p.ip, p.port) for p in engines}
-
-        def moved(role: str, metric: str) -> float:
-            return sum(after[p.id].get(metric, 0) - before[p.id].get(metric, 0) for p in engines if p.role == role)
-
-        result = {"url": url, "text": body["choices"][0].get("text", "")[:80]}
-        if self.plan.mode == "pd":
-            result["prefill_prompt_tokens"] = moved("prefill", health.PREFILL_COUNTER)
-            result["decode_external_prefix_cache_queries"] = moved("decode", health.DECODE_COUNTER)
-            if result["prefill_prompt_tokens"] <= 0 or result["decode_external_prefix_cache_queries"] <= 0:
-                raise HostError("smoke completion did not go prefill -> decode (KV-transfer counters: prefill "
-                                f"{result['prefill_prompt_tokens']:.0f}, decode "
-                                f"{result['decode_external_prefix_cache_queries']:.0f}); a silent decode-only "
-                                "fallback is a failed deploy", host=self.plan.proxy.host, step="smoke")
-        else:
-            result["generation_tokens"] = moved("colocated", health.GENERATION_COUNTER)
-        return result
+        moved = sum(after[p.id].get(health.GENERATION_COUNTER, 0) - before[p.id].get(health.GENERATION_COUNTER, 0)
+                    for p in engines)
+        return {"url": url, "text": body["choices"][0].get("text", "")[:80], "generation_tokens": moved}
 
     # --- the whole run ---------------------------------------------------------------------------------
 

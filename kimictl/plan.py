@@ -153,6 +153,7 @@ class Plan(_Model):
     model_dir: str
     served_model_name: str
     engine_profile: str = "ascend"
+    kv_connector: str | None = None  # the engine profile's P/D connector (None: the version profile's)
     host_roles: dict[str, str]
     instances: list[Instance]
     engines: list[Engine]
@@ -534,6 +535,11 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
             raise PlanError(f"prefill TP {p.tp} must be >= decode TP {d.tp} and divisible by it "
                             "(MooncakeConnectorV1 pulls KV from P TP ranks into D TP ranks)")
 
+    conn = prof.connector(inv.cluster.kimi_kv_connector) if topo.mode == "pd" else None
+    if conn and topo.proxy and topo.proxy.router not in conn[1].routers:
+        raise PlanError(f"kimi_kv_connector {conn[0]} ({conn[1].kv_connector}) does not work behind proxy router "
+                        f"{topo.proxy.router}", hint=f"use a router that speaks its protocol: "
+                        f"{', '.join(conn[1].routers)}, or another kimi_kv_connector")
     groups = _assign(inv, topo, hw)
     ports = _Ports()
     instances: list[Instance] = []
@@ -555,8 +561,12 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
                 width = spec.dp * spec.tp
                 kv_port, engine_id = kv_next, name
                 kv_next += math.ceil(width / 100) * 100
-                for h in hosts:
-                    ports.take(h.name, kv_port, kv_port + width - 1, f"{name} kv_port range")
+                if conn is None:
+                    for h in hosts:
+                        ports.take(h.name, kv_port, kv_port + width - 1, f"{name} kv_port range")
+                elif conn[1].port and role in conn[1].port.roles:  # the port + each DP rank, on every host
+                    for h in hosts:
+                        ports.take(h.name, kv_port, kv_port + spec.dp - 1, f"{name} {conn[1].port.what}")
             ports.take(master.name, topo.ports.rpc, topo.ports.rpc, f"{name} data-parallel-rpc-port")
             instances.append(Instance(role=role, index=idx, name=name, hosts=[h.name for h in hosts], dp=spec.dp,
                                       tp=spec.tp, ep=ep, master_host=master.name, master_ip=master.ip,
@@ -603,7 +613,8 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,
         vllm_ascend_version=ver.version, image=ver.image(hw), hardware=hw.name, mode=topo.mode,
         launch=topo.launch, runtime=inv.cluster.kimi_runtime, model_dir=inv.cluster.kimi_model_dir,
-        served_model_name=facts.served_model_name, engine_profile=prof.name, host_roles=host_roles,
+        served_model_name=facts.served_model_name, engine_profile=prof.name, kv_connector=conn[0] if conn else None,
+        host_roles=host_roles,
         instances=instances, engines=engines, proxy=proxy, role_config=role_cfg, fits=fits, switches=decisions,
         ports=ports.uses, warnings=warnings,
     )

@@ -155,22 +155,15 @@ def _membership(engines: list[dict[str, Any]], proxy: dict[str, Any], api_key: s
 
 def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: str,
                 api_key: str | None = None) -> dict[str, Any]:
-    """One request through the proxy must move prefill's and decode's KV-transfer counters."""
+    """One request through the proxy: decode must get the whole prompt over the KV connector (health.pd_probe)."""
     pre = [r for r in engines if r["role"] == "prefill" and r["state"] == "ready"]
     dec = [r for r in engines if r["role"] == "decode" and r["state"] == "ready"]
     if proxy["state"] != "ready" or not pre or not dec:
         return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "failed",
                 "detail": "proxy or one side not ready"}
-
-    def totals(rows: list[dict[str, Any]], metric: str) -> float:
-        return sum(health.metric_totals(r["ip"], r["port"]).get(metric, 0.0) for r in rows)
-
-    p0, d0 = totals(pre, health.PREFILL_COUNTER), totals(dec, health.DECODE_COUNTER)
-    code, body = health.http_post_json(f"http://{proxy['ip']}:{proxy['port']}/v1/completions",
-                                       {"model": served, "prompt": health.smoke_prompt(64), "max_tokens": 2},
-                                       timeout=30, api_key=api_key)
-    moved_p, moved_d = totals(pre, health.PREFILL_COUNTER) - p0, totals(dec, health.DECODE_COUNTER) - d0
-    ok = code == 200 and moved_p > 0 and moved_d > 0
-    return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "ok" if ok else "failed",
-            "detail": f"HTTP {code}; prefill prompt tokens +{moved_p:.0f}, decode external prefix cache +{moved_d:.0f}"
-            + ("" if code == 200 else f": {str(body)[:200]}")}
+    probe = health.pd_probe(f"http://{proxy['ip']}:{proxy['port']}/v1/completions", served,
+                            [(r["ip"], r["port"]) for r in pre], [(r["ip"], r["port"]) for r in dec],
+                            timeout=30, api_key=api_key)
+    return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec],
+            "state": "ok" if probe.ok else "failed",
+            "detail": probe.detail + ("" if probe.code == 200 else f": {str(probe.body)[:200]}")}

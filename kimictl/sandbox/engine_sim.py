@@ -749,6 +749,8 @@ E2E_BUCKETS = (
     7680.0,
 )
 FINISH_REASONS = ("stop", "length", "abort")
+# vLLM's vllm:prompt_tokens_by_source sources (vllm/v1/metrics/stats.py PromptTokenStats.ALL_SOURCES).
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
 def _label_str(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
@@ -831,6 +833,8 @@ class Metrics:
         self.waiting = m("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", b)
         self.kv_usage = m("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", b)
         self.prompt_tokens = m("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", b)
+        self.prompt_by_source = m("vllm:prompt_tokens_by_source_total", "counter", "Number of prompt tokens by source.",
+                                  (*b, "source"))
         self.gen_tokens = m("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.", b)
         self.success = m(
             "vllm:request_success_total",
@@ -937,6 +941,7 @@ class Metrics:
             self.waiting,
             self.kv_usage,
             self.prompt_tokens,
+            self.prompt_by_source,
             self.gen_tokens,
             self.success,
             self.preemptions,
@@ -962,7 +967,10 @@ class Metrics:
             if family is self.success:
                 for reason in FINISH_REASONS:
                     family.touch((*key, reason))
-            elif family is not self.info:
+            elif family is self.prompt_by_source:
+                for source in PROMPT_SOURCES:
+                    family.touch((*key, source))
+            elif family.labels == self.BASE:
                 family.touch(key)
 
     def render(self, engine_stats: bool = True) -> str:
@@ -1215,6 +1223,8 @@ class Simulator:
                     self._update_gauges(core)
                     core.cond.notify_all()
         self.metrics.prompt_tokens.inc(labels, len(req.prompt_ids))
+        self.metrics.prompt_by_source.inc((*labels, "external_kv_transfer"), result.pulled_tokens)
+        self.metrics.prompt_by_source.inc((*labels, "local_compute"), len(req.prompt_ids) - result.pulled_tokens)
         self.metrics.gen_tokens.inc(labels, len(result.pieces))
         self.metrics.success.inc((*labels, result.finish_reason))
         self.metrics.e2e.observe(labels, time.monotonic() - started)

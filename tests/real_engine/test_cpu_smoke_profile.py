@@ -13,7 +13,7 @@ from kimictl.errors import InventoryError, PlanError
 from kimictl.facts import engine_profile, engine_profiles
 from kimictl.inventory import ClusterSettings, load_inventory
 from kimictl.plan import make_plan
-from kimictl.render import render
+from kimictl.render import engine_shims, render
 from kimictl.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,18 +88,71 @@ def test_colocated_renders_the_lane_command_without_ascend_parts(tmp_path: Path)
     assert fit.fits and fit.weights_total_gib < 0.01  # the tiny model's numbers, not Kimi K2.5's 489 GiB
 
 
-def test_pd_uses_example_connector_over_one_shared_directory(tmp_path: Path) -> None:
-    _, r = _render(_inv(tmp_path, cluster="lane-pd"), str(TOPOLOGIES / "cpu-smoke-pd.yml"))
+def test_pd_moves_kv_with_nixl_over_the_hosts_nic_by_default(tmp_path: Path) -> None:
+    plan, r = _render(_inv(tmp_path, cluster="lane-pd"), str(TOPOLOGIES / "cpu-smoke-pd.yml"))
+    assert plan.kv_connector == "nixl"
     by_role = {e.role: e for e in r.engines}
     assert sorted(by_role) == ["decode", "prefill"]
-    cfgs = {role: json.loads(_flag(e.argv, "--kv-transfer-config")) for role, e in by_role.items()}
-    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
-        assert cfgs[role]["kv_connector"] == "ExampleConnector"
-        assert cfgs[role]["kv_role"] == kv_role
-        assert cfgs[role]["kv_connector_extra_config"] == {"shared_storage_path": "/tmp/kimictl-kv/lane-pd"}
+    ips = {"prefill": "10.200.0.11", "decode": "10.200.0.12"}
+    for role, kv_role, port in (("prefill", "kv_producer", 36000), ("decode", "kv_consumer", 36100)):
+        e = by_role[role]
+        assert json.loads(_flag(e.argv, "--kv-transfer-config")) == {
+            "kv_connector": "NixlConnector", "kv_role": kv_role, "engine_id": f"{role}-0", "kv_buffer_device": "cpu"}
+        # UCX over TCP on the host's NIC; the side channel on the host's IP at the instance's port
+        assert {k: e.env[k] for k in e.env if k.startswith(("UCX_", "VLLM_"))} == {
+            "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "VLLM_HOST_IP": ips[role],
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": ips[role], "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+        assert "PYTHONPATH" not in e.env
     for e in by_role.values():  # DP size 1: vLLM refuses --data-parallel-rank (external load balancing)
         assert "--data-parallel-rank" not in e.argv and _flag(e.argv, "--data-parallel-size") == "1"
+    # preflight checks what the plan reserves: each side channel on its own host
+    assert [(u.host, u.first, u.last) for u in plan.ports if "NIXL side channel" in u.what] == [
+        ("atlas-01", 36000, 36000), ("atlas-02", 36100, 36100)]
+    assert not [u for u in plan.ports if "kv_port range" in u.what]
     assert r.proxy is not None and [x["port"] for x in r.proxy.prefill + r.proxy.decode] == [7100, 7100]
+    assert "--kv-connector" not in r.proxy.argv and r.proxy.argv[r.proxy.argv.index("--prefill") + 2] == "--decode"
+    assert engine_shims(plan) == {}
+    assert not [f for files in r.files.values() for f in files if "kimictl-kv" in files[f]]
+
+
+def test_pd_with_mooncake_loads_the_cpu_shim_and_tells_the_router_the_bootstrap_port(tmp_path: Path) -> None:
+    inv = _inv(tmp_path, cluster="lane-mc")
+    inv.write_text(inv.read_text().replace("kimi_nic: eth0", "kimi_nic: eth0\n    kimi_kv_connector: mooncake"))
+    plan, r = _render(inv, str(TOPOLOGIES / "cpu-smoke-pd.yml"))
+    assert plan.kv_connector == "mooncake"
+    by_role = {e.role: e for e in r.engines}
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        e = by_role[role]
+        assert json.loads(_flag(e.argv, "--kv-transfer-config")) == {
+            "kv_connector": "MooncakeConnector", "kv_role": kv_role, "engine_id": f"{role}-0",
+            "kv_connector_module_path": "kimictl_mooncake_cpu",
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
+        assert e.env["PYTHONPATH"] == "/var/lib/kimi/bin"  # where deploy ships the shim
+        assert not [k for k in e.env if k.startswith(("UCX_", "VLLM_NIXL"))]
+    # only prefill binds a fixed port (its bootstrap server); decode's Mooncake ports are random
+    assert by_role["prefill"].env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "36000"
+    assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in by_role["decode"].env
+    assert [(u.host, u.first) for u in plan.ports if "Mooncake bootstrap" in u.what] == [("atlas-01", 36000)]
+    argv = r.proxy.argv
+    assert argv[argv.index("--kv-connector") + 1] == "mooncake"
+    assert argv[argv.index("--prefill") + 1:argv.index("--prefill") + 3] == ["http://10.200.0.11:7100", "36000"]
+    shims = engine_shims(plan)
+    assert list(shims) == ["kimictl_mooncake_cpu.py"] and Path(shims["kimictl_mooncake_cpu.py"]).is_file()
+    assert "kimictl.remote" not in shims["kimictl_mooncake_cpu.py"].replace("/", ".")
+
+
+def test_a_connector_the_profile_lacks_is_refused_naming_the_key(tmp_path: Path) -> None:
+    inv = _inv(tmp_path)
+    inv.write_text(inv.read_text().replace("kimi_nic: eth0", "kimi_nic: eth0\n    kimi_kv_connector: mooncak"))
+    with pytest.raises(InventoryError) as exc:
+        load_inventory(inv)
+    assert any("kimi_kv_connector" in d and "no connector 'mooncak'" in d and "nixl" in d for d in exc.value.details)
+    prod = tmp_path / "a3-pd.yml"
+    prod.write_text((ROOT / "inventories" / "a3-pd.yml").read_text().replace(
+        "kimi_runtime: container", "kimi_runtime: container\n    kimi_kv_connector: nixl"))
+    with pytest.raises(InventoryError) as exc:
+        load_inventory(prod)
+    assert any("kimi_kv_connector" in d and "MooncakeConnectorV1" in d for d in exc.value.details)
 
 
 def test_a_production_preset_loses_only_its_ascend_parts(tmp_path: Path) -> None:
@@ -147,7 +200,8 @@ def test_cpu_smoke_needs_host_runtime(tmp_path: Path) -> None:
 
 def test_profile_data_is_complete() -> None:
     cpu = engine_profile("cpu-smoke")
-    assert not cpu.ascend and cpu.runtime == "host" and cpu.kv_transfer and cpu.min_ready_timeout_s >= 300
+    assert not cpu.ascend and cpu.runtime == "host" and cpu.min_ready_timeout_s >= 300
+    assert list(cpu.kv_connectors) == ["nixl", "mooncake"]  # NIXL the default
     facts = cpu.facts()
     assert (facts.text.num_hidden_layers, facts.text.n_routed_experts, facts.text.vocab_size) == (2, 8, 512)
     assert facts.text.kv_lora_rank + facts.text.qk_rope_head_dim == 576  # MLA on vLLM CPU needs 512 + 64
