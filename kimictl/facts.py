@@ -232,6 +232,9 @@ class ConnectorRouter(Strict):
 
     args: list[str] = Field(default_factory=list)  # added to the router's command line
     prefill_bootstrap_port: bool = False           # the router gets each prefill URL followed by its connector port
+    # The router learns the prefill engines' ids once, at its start, from this path on each prefill's connector port:
+    # the proxy front watches it and restarts the routers when the ids change (a prefill engine restarted).
+    engine_ids_at_start: str | None = None
 
 
 class KvTransfer(Strict):

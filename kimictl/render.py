@@ -130,23 +130,23 @@ def _fill(value: Any, **names: str) -> Any:
 
 
 def kv_transfer_config(plan: Plan, e: Engine) -> dict[str, Any] | None:
-    """MooncakeConnectorV1 JSON: kv_port/engine_id per DP group, extra config with both sides' real sizes
-    (or the engine profile's connector, e.g. NixlConnector, with the instance's engine_id)."""
+    """MooncakeConnectorV1 JSON: kv_port/engine_id per DP group, extra config with both sides' real sizes (or the
+    engine profile's connector, e.g. NixlConnector; vLLM then names the engine afresh at each start, see
+    data/engines/cpu-smoke.yml)."""
     if plan.mode != "pd":
         return None
-    inst = plan.instance(e.instance)
     kv_role = "kv_producer" if e.role == "prefill" else "kv_consumer"
     picked = engine_profile(plan.engine_profile).connector(plan.kv_connector)
     if picked:
         kv = picked[1]
-        cfg: dict[str, Any] = {"kv_connector": kv.kv_connector, "kv_role": kv_role, "engine_id": inst.engine_id,
-                               **kv.config}
+        cfg: dict[str, Any] = {"kv_connector": kv.kv_connector, "kv_role": kv_role, **kv.config}
         if kv.module:
             cfg["kv_connector_module_path"] = kv.module
         if kv.extra_config:
             cfg["kv_connector_extra_config"] = _fill(kv.extra_config, cluster=plan.cluster)
         return cfg
     ver = version_profile(plan.vllm_ascend_version)
+    inst = plan.instance(e.instance)
     cfg = {"kv_connector": ver.kv_connector, "kv_role": kv_role, "kv_port": str(inst.kv_port),
            "engine_id": inst.engine_id}
     if ver.kv_connector_module_path:
@@ -271,6 +271,17 @@ def proxy_argv(plan: Plan, inv: Inventory) -> list[str]:
     return argv
 
 
+def engine_id_urls(plan: Plan) -> list[str]:
+    """Where the proxy's router learns the prefill engines' ids once, at its start (the proxy front watches them)."""
+    p = plan.proxy
+    picked = engine_profile(plan.engine_profile).connector(plan.kv_connector) if p else None
+    path = picked[1].routers[p.router].engine_ids_at_start if picked and p else None
+    if not path:
+        return []
+    engines = {e.id: e for e in plan.engines}
+    return [f"http://{ep.ip}:{connector_port(plan, engines[ep.engine])}{path}" for ep in p.prefill]
+
+
 def front_argv(plan: Plan, inv: Inventory) -> list[str]:
     """The proxy process: kimictl's front on the proxy port, the router copies behind it."""
     p = plan.proxy
@@ -280,6 +291,8 @@ def front_argv(plan: Plan, inv: Inventory) -> list[str]:
             f"{sd}/{PROXY_FRONT_STATE}"]
     for r in p.routers:
         argv += ["--router", f"{r.port}:{r.metrics_port}"]
+    for url in engine_id_urls(plan):
+        argv += ["--watch", url]
     if p.api_key:
         argv += ["--api-key-file", f"{sd}/{PROXY_API_KEY}"]
     return [*argv, "--", *proxy_argv(plan, inv)]

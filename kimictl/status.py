@@ -9,6 +9,7 @@ from typing import Any
 
 from kimictl import ascend, health
 from kimictl.inventory import Inventory
+from kimictl.render import PROXY_FRONT_STATE
 from kimictl.secret_file import proxy_api_key
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import control_dir
@@ -24,15 +25,21 @@ def _probe(inv: Inventory, timeout: float) -> dict[str, Any]:
         out = s.run(f"cat {sd}/current/manifest.json 2>/dev/null || echo null; echo '@@kimi'; "
                     f"if [ -f {sd}/bin/supervisor.py ]; then python3 {sd}/bin/supervisor.py status --run-dir "
                     f"{sd}/run; else echo '[]'; fi; echo '@@kimi'; "
-                    "PATH=/usr/local/bin:/usr/local/sbin:$PATH npu-smi info 2>/dev/null", timeout=timeout).stdout
+                    "PATH=/usr/local/bin:/usr/local/sbin:$PATH npu-smi info 2>/dev/null; echo '@@kimi'; "
+                    f"cat {sd}/{PROXY_FRONT_STATE} 2>/dev/null", timeout=timeout).stdout
         manifest, _, rest = out.partition("@@kimi")
-        sup, _, smi = rest.partition("@@kimi")
+        sup, _, rest = rest.partition("@@kimi")
+        smi, _, front = rest.partition("@@kimi")
         hbm = {n.logical_id: n.hbm_used_mb for n in ascend.parse_npu_smi_info(smi).npus}
         try:
-            return {"manifest": json.loads(manifest), "supervised": {x["name"]: x for x in json.loads(sup or "[]")},
-                    "hbm_used_mb": hbm}
+            front_state = json.loads(front) if front.strip() else None
         except ValueError:
-            return {"manifest": None, "supervised": {}, "hbm_used_mb": hbm}
+            front_state = None
+        try:
+            return {"manifest": json.loads(manifest), "supervised": {x["name"]: x for x in json.loads(sup or "[]")},
+                    "hbm_used_mb": hbm, "front": front_state}
+        except ValueError:
+            return {"manifest": None, "supervised": {}, "hbm_used_mb": hbm, "front": front_state}
 
     with Sessions(inv, timeout=timeout) as sessions:
         return sessions.each(one)
@@ -90,6 +97,9 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
             proxy = {"host": h.name, "ip": h.ip, "port": man["proxy"]["port"],
                      "routers": int(man["proxy"].get("routers", 0)),
                      "state": "stopped" if sup is None else _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")}
+            stale = _stale_engine_ids((got.get("front") or {}).get("watch"))
+            if stale:
+                proxy["stale_engine_ids"] = stale
 
     def readiness(row: dict[str, Any]) -> None:
         if row["state"] == "starting" and row.get("serves_http", True):
@@ -109,7 +119,11 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
 
     pairs: list[dict[str, Any]] = []
     pd = any(r["role"] == "prefill" for r in engines) and any(r["role"] == "decode" for r in engines)
-    if pd and proxy and probe_pairs:
+    if pd and proxy and proxy.get("stale_engine_ids"):  # a probe now would wait on a dead peer
+        pairs.append({"prefill": [r["id"] for r in engines if r["role"] == "prefill"],
+                      "decode": [r["id"] for r in engines if r["role"] == "decode"], "state": "failed",
+                      "detail": proxy["stale_engine_ids"]})
+    elif pd and proxy and probe_pairs:
         pairs.append(_pair_probe(engines, proxy, served or "", api_key))
     if proxy and proxy["state"] == "ready":
         proxy["membership"] = _membership(engines, proxy, api_key)
@@ -129,6 +143,18 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
             "served_model_name": served,
             "release": record["release"] if record else None, "engines": engines, "proxy": proxy,
             "pairs": pairs, "drift": drift, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _stale_engine_ids(watch: dict[str, Any] | None) -> str | None:
+    """Why the proxy's routers cannot reach a prefill engine yet: they learnt the prefill engine ids at their start
+    (the proxy front's --watch) and a prefill engine has restarted under a new id since; None when they know."""
+    if not watch or watch.get("engine_ids") is None or watch.get("engine_ids") == watch.get("routers_know"):
+        return None
+    now, known = watch["engine_ids"], watch.get("routers_know") or {}
+    changed = sorted(u.split("//")[-1].split("/")[0] for u in now if now[u] != known.get(u))
+    return (f"the proxy's routers know prefill engine ids from before a restart of the prefill engine at "
+            f"{', '.join(changed) or 'its bootstrap server'} (they learn them only at their start); the proxy front "
+            "restarts them")
 
 
 def _membership(engines: list[dict[str, Any]], proxy: dict[str, Any], api_key: str | None) -> list[dict[str, Any]]:

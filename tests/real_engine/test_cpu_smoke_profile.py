@@ -96,8 +96,9 @@ def test_pd_moves_kv_with_nixl_over_the_hosts_nic_by_default(tmp_path: Path) -> 
     ips = {"prefill": "10.200.0.11", "decode": "10.200.0.12"}
     for role, kv_role, port in (("prefill", "kv_producer", 36000), ("decode", "kv_consumer", 36100)):
         e = by_role[role]
+        # no engine_id: vLLM names the engine afresh at each start (a restarted prefill is a new peer)
         assert json.loads(_flag(e.argv, "--kv-transfer-config")) == {
-            "kv_connector": "NixlConnector", "kv_role": kv_role, "engine_id": f"{role}-0", "kv_buffer_device": "cpu"}
+            "kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
         # UCX over TCP on the host's NIC; the side channel on the host's IP at the instance's port
         assert {k: e.env[k] for k in e.env if k.startswith(("UCX_", "VLLM_"))} == {
             "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "VLLM_HOST_IP": ips[role],
@@ -124,7 +125,7 @@ def test_pd_with_mooncake_loads_the_cpu_shim_and_tells_the_router_the_bootstrap_
     for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
         e = by_role[role]
         assert json.loads(_flag(e.argv, "--kv-transfer-config")) == {
-            "kv_connector": "MooncakeConnector", "kv_role": kv_role, "engine_id": f"{role}-0",
+            "kv_connector": "MooncakeConnector", "kv_role": kv_role,
             "kv_connector_module_path": "kimictl_mooncake_cpu",
             "kv_connector_extra_config": {"mooncake_protocol": "tcp"}}
         assert e.env["PYTHONPATH"] == "/var/lib/kimi/bin"  # where deploy ships the shim
