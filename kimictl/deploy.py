@@ -318,11 +318,12 @@ class Deployer(EngineOps):
         """One long-prompt completion; in P/D decode must get the whole prompt over the KV connector."""
         engines = [p for p in desired_procs(self.full_rendered, self.full_inv)
                    if p.kind == "engine" and p.serves_http]
+        timeout = engine_profile(self.inv.cluster.kimi_engine_profile).probe_timeout_s or 60.0
         if self.plan.proxy:
             url = f"http://{self.plan.proxy.ip}:{self.plan.proxy.port}/v1/completions"
             side = {r: [(p.ip, p.port) for p in engines if p.role == r] for r in ("prefill", "decode")}
             probe = health.pd_probe(url, self.plan.served_model_name, side["prefill"], side["decode"], words=400,
-                                    max_tokens=16, timeout=60.0, api_key=self.api_key)
+                                    max_tokens=16, timeout=timeout, api_key=self.api_key)
             if probe.code != 200 or not isinstance(probe.body, dict) or not probe.body.get("choices"):
                 raise HostError(f"smoke completion through {url} failed: HTTP {probe.code}: {str(probe.body)[:300]}",
                                 host=self.plan.proxy.host, step="smoke")
@@ -336,7 +337,7 @@ class Deployer(EngineOps):
         before = {p.id: health.metric_totals(p.ip, p.port) for p in engines}
         code, body = health.http_post_json(url, {"model": self.plan.served_model_name,
                                                  "prompt": health.smoke_prompt(), "max_tokens": 16,
-                                                 "temperature": 0}, api_key=self.api_key)
+                                                 "temperature": 0}, timeout=timeout, api_key=self.api_key)
         if code != 200 or not isinstance(body, dict) or not body.get("choices"):
             raise HostError(f"smoke completion through {url} failed: HTTP {code}: {str(body)[:300]}",
                             host=first.host, step="smoke")

@@ -268,6 +268,7 @@ class EngineProfile(Strict):
     # profile's connector (MooncakeConnectorV1).
     kv_connectors: dict[str, KvTransfer] = Field(default_factory=dict)
     min_ready_timeout_s: float = 0.0       # floor for deploy's readiness wait (start-up dominated by imports)
+    probe_timeout_s: float | None = None   # deploy's smoke and status's pair probe wait this long (else 60/30 s)
 
     def connector(self, name: str | None) -> tuple[str, KvTransfer] | None:
         """(name, connector) that kimi_kv_connector picks (None: the default); None without profile connectors."""

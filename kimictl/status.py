@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kimictl import ascend, health
+from kimictl.facts import engine_profile
 from kimictl.inventory import Inventory
 from kimictl.render import PROXY_FRONT_STATE
 from kimictl.secret_file import proxy_api_key
@@ -124,7 +125,8 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
                       "decode": [r["id"] for r in engines if r["role"] == "decode"], "state": "failed",
                       "detail": proxy["stale_engine_ids"]})
     elif pd and proxy and probe_pairs:
-        pairs.append(_pair_probe(engines, proxy, served or "", api_key))
+        wait = engine_profile(inv.cluster.kimi_engine_profile).probe_timeout_s or 30.0
+        pairs.append(_pair_probe(engines, proxy, served or "", api_key, wait))
     if proxy and proxy["state"] == "ready":
         proxy["membership"] = _membership(engines, proxy, api_key)
 
@@ -180,7 +182,7 @@ def _membership(engines: list[dict[str, Any]], proxy: dict[str, Any], api_key: s
 
 
 def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: str,
-                api_key: str | None = None) -> dict[str, Any]:
+                api_key: str | None = None, timeout: float = 30.0) -> dict[str, Any]:
     """One request through the proxy: decode must get the whole prompt over the KV connector (health.pd_probe)."""
     pre = [r for r in engines if r["role"] == "prefill" and r["state"] == "ready"]
     dec = [r for r in engines if r["role"] == "decode" and r["state"] == "ready"]
@@ -189,7 +191,7 @@ def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: st
                 "detail": "proxy or one side not ready"}
     probe = health.pd_probe(f"http://{proxy['ip']}:{proxy['port']}/v1/completions", served,
                             [(r["ip"], r["port"]) for r in pre], [(r["ip"], r["port"]) for r in dec],
-                            timeout=30, api_key=api_key)
+                            timeout=timeout, api_key=api_key)
     return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec],
             "state": "ok" if probe.ok else "failed",
             "detail": probe.detail + ("" if probe.code == 200 else f": {str(probe.body)[:200]}")}
