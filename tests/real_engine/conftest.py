@@ -99,9 +99,10 @@ TINY_ID = "kimictl/Kimi-K2.5-tiny"
 
 
 def lane_inventory(sb, out: Path, *, cluster: str, hosts: list[str], lane_python: str, model_dir: Path,
-                   hub_url: str | None = None) -> Path:
+                   hub_url: str | None = None, **extra: str) -> Path:
     """The sandbox's inventory with the lane's tweaks: engine profile, engine command, host subset, and either
-    the tiny checkpoint in place (model_dir, source local) or served by a hub that `deploy` stages it from."""
+    the tiny checkpoint in place (model_dir, source local) or served by a hub that `deploy` stages it from;
+    `extra` are more all.vars (e.g. kimi_kv_connector)."""
     doc = yaml.safe_load(sb.inventory.read_text())
     source = ({"kimi_model_source": "modelscope", "kimi_model_id": TINY_ID, "kimi_model_endpoint": hub_url,
                "kimi_model_dir": "/var/lib/kimi/models/Kimi-K2.5-tiny"} if hub_url else
@@ -111,6 +112,7 @@ def lane_inventory(sb, out: Path, *, cluster: str, hosts: list[str], lane_python
         "kimi_engine_profile": "cpu-smoke",
         "kimi_engine_command": lane_python,
         **source,
+        **extra,
     })
     doc["all"]["hosts"] = {h: v for h, v in doc["all"]["hosts"].items() if h in hosts}
     path = out / f"{cluster}.yml"
@@ -143,3 +145,26 @@ def stop_cluster(inventory: Path) -> None:
     proc = kimictl("stop", "-i", str(inventory), "--yes", timeout=300)
     if proc.returncode != 0:
         print(f"kimictl stop -> {proc.returncode}: {proc.stderr[-2000:]}", file=sys.stderr)
+
+
+def nic_rx_bytes(sb, host: str, nic: str = "eth0") -> int:
+    """Bytes the host's NIC received (the sandbox bridge: never loopback)."""
+    return int(sb.ssh(host, f"cat /sys/class/net/{nic}/statistics/rx_bytes").stdout)
+
+
+def tcp_links(sb, host: str) -> list[tuple[str, int, str, int]]:
+    """Established TCP connections seen on a host: (local ip, local port, peer ip, peer port)."""
+    out = []
+    for line in sb.ssh(host, "ss -tnH state established").stdout.splitlines():
+        cols = line.split()
+        if len(cols) < 4:
+            continue
+        (lip, _, lport), (pip, _, pport) = (c.rpartition(":") for c in cols[-2:])
+        out.append((lip.strip("[]").removeprefix("::ffff:"), int(lport), pip.strip("[]").removeprefix("::ffff:"),
+                    int(pport)))
+    return out
+
+
+def front_state(sb, host: str) -> dict:
+    """The proxy front's state file on the proxy host (routers, reloads, the engine ids it watches)."""
+    return json.loads(sb.ssh(host, "cat /var/lib/kimi/run/proxy-front/state.json").stdout or "{}")
