@@ -404,7 +404,9 @@ class Deployer(EngineOps):
             return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "no-changes")
         try:
             self._converge(changes, procs)
+            t0 = time.monotonic()
             smoke = self.smoke()
+            self.timings["smoke"] = round(time.monotonic() - t0, 2)  # the first completion since the engines started
             self.say(f"smoke: {smoke}")
             self._playbook("switch.yml", {"state_dir_of": self.state_dir_of,
                                           "hosts": {h: {"release": r} for h, r in self.rendered.releases.items()}},
