@@ -36,8 +36,10 @@ all:
 
 
 def _inv(tmp_path: Path, *, hosts: int = 2, cluster: str = "lane", runtime: str = "host",
-         profile: str = "cpu-smoke", command: str = LANE) -> Path:
+         profile: str = "cpu-smoke", command: str = LANE, connector: str | None = None) -> Path:
     text = INV.format(cluster=cluster, runtime=runtime, profile=profile, command=command)
+    if connector:
+        text = text.replace("kimi_nic: eth0", f"kimi_nic: eth0\n    kimi_kv_connector: {connector}")
     if hosts == 1:
         text = "\n".join(ln for ln in text.splitlines() if "atlas-02" not in ln) + "\n"
     path = tmp_path / "inv.yml"
@@ -117,8 +119,7 @@ def test_pd_moves_kv_with_nixl_over_the_hosts_nic_by_default(tmp_path: Path) -> 
 
 
 def test_pd_with_mooncake_loads_the_cpu_shim_and_tells_the_router_the_bootstrap_port(tmp_path: Path) -> None:
-    inv = _inv(tmp_path, cluster="lane-mc")
-    inv.write_text(inv.read_text().replace("kimi_nic: eth0", "kimi_nic: eth0\n    kimi_kv_connector: mooncake"))
+    inv = _inv(tmp_path, cluster="lane-mc", connector="mooncake")
     plan, r = _render(inv, str(TOPOLOGIES / "cpu-smoke-pd.yml"))
     assert plan.kv_connector == "mooncake"
     by_role = {e.role: e for e in r.engines}
@@ -143,8 +144,7 @@ def test_pd_with_mooncake_loads_the_cpu_shim_and_tells_the_router_the_bootstrap_
 
 
 def test_a_connector_the_profile_lacks_is_refused_naming_the_key(tmp_path: Path) -> None:
-    inv = _inv(tmp_path)
-    inv.write_text(inv.read_text().replace("kimi_nic: eth0", "kimi_nic: eth0\n    kimi_kv_connector: mooncak"))
+    inv = _inv(tmp_path, connector="mooncak")
     with pytest.raises(InventoryError) as exc:
         load_inventory(inv)
     assert any("kimi_kv_connector" in d and "no connector 'mooncak'" in d and "nixl" in d for d in exc.value.details)
@@ -207,3 +207,30 @@ def test_profile_data_is_complete() -> None:
     assert (facts.text.num_hidden_layers, facts.text.n_routed_experts, facts.text.vocab_size) == (2, 8, 512)
     assert facts.text.kv_lora_rank + facts.text.qk_rope_head_dim == 576  # MLA on vLLM CPU needs 512 + 64
     assert engine_profile(None).name == "ascend" and engine_profile("ascend").serve_args == ["serve", "{model_dir}"]
+
+
+@pytest.mark.parametrize(("connector", "host", "port", "what"), [
+    ("nixl", "atlas-01", 36000, "prefill-0 NIXL side channel"),
+    ("nixl", "atlas-02", 36100, "decode-0 NIXL side channel"),
+    ("mooncake", "atlas-01", 36000, "prefill-0 Mooncake bootstrap server"),
+])
+def test_preflight_refuses_a_taken_connector_port(tmp_path: Path, connector: str, host: str, port: int,
+                                                  what: str) -> None:
+    from kimictl.preflight import Probe, _host_checks, _Judge
+
+    inv_path = _inv(tmp_path, connector=connector)
+    plan, _ = _render(inv_path, str(TOPOLOGIES / "cpu-smoke-pd.yml"))
+    inv = load_inventory(inv_path)
+
+    def res003(listening: str) -> tuple[str, str]:
+        j = _Judge(set())
+        probe = Probe({"listen": (listening, 0), "ps": ("4242 4242", 0), "supervised": ("", 0)})
+        _host_checks(j, inv, plan, inv.host(host), probe, 0, True)
+        (r,) = [r for r in j.results if r.id == "RES-003"]
+        return r.status, r.message
+
+    line = f"LISTEN 0 100 10.200.0.11:{port} 0.0.0.0:* users:((\"python3\",pid=4242,fd=3))"
+    assert res003(line) == ("fail", f"port {port} ({what}) in use by pid 4242")
+    assert res003("")[0] == "pass"
+    if connector == "mooncake":  # decode binds no fixed Mooncake port: nothing reserved there
+        assert "36100" not in str([u for u in plan.ports if u.host == "atlas-02"])
