@@ -90,7 +90,7 @@ def main() -> int:
         out = Path(tmp)
         env = {**os.environ, "KIMICTL_STATE_DIR": str(out / "state"), "PYTHONPATH": str(ROOT)}
         model = out / "Kimi-K2.5-tiny"
-        subprocess.run([LANE, "-m", "kimictl.weights.tiny_model", str(model)], check=True, env=env,
+        subprocess.run([LANE, "-m", "kimictl.sandbox.tiny_model", str(model)], check=True, env=env,
                        capture_output=True, timeout=900)
         sb = Sandbox(out / "sb")
         sb.up(2, "atlas-800-a3")

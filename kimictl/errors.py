@@ -44,6 +44,11 @@ class PlanError(InvalidInput):
     """The inventory and topology do not make a feasible plan."""
 
 
+class StateError(InvalidInput):
+    """A control-node record (release history, current release, a run's snapshot) is damaged or missing; nothing
+    was changed. The message names the file (and line) and the hint says how to repair it."""
+
+
 class RenderError(KimictlError):
     """Rendering failed (a template bug, not user input)."""
 

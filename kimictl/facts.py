@@ -251,6 +251,13 @@ class KvTransfer(Strict):
     routers: dict[str, ConnectorRouter] = Field(min_length=1)   # the router kinds that speak its P/D protocol
 
 
+class EngineMetrics(Strict):
+    """Prometheus names the engine exposes that a rollout's drain reads (its own spelling, per engine)."""
+
+    busy: list[str] = Field(min_length=1)      # gauges: > 0 while the engine runs, queues or holds work
+    activity: list[str] = Field(min_length=1)  # counters: any change means it served something meanwhile
+
+
 class EngineProfile(Strict):
     """What engine runs and how it is spelled (data/engines/*.yml); `ascend` is production."""
 
@@ -268,6 +275,7 @@ class EngineProfile(Strict):
     # profile's connector (MooncakeConnectorV1).
     kv_connectors: dict[str, KvTransfer] = Field(default_factory=dict)
     min_ready_timeout_s: float = 0.0       # floor for deploy's readiness wait (start-up dominated by imports)
+    metrics: EngineMetrics                 # what "busy" and "served something" are called on its /metrics
     probe_timeout_s: float | None = None   # deploy's smoke and status's pair probe wait this long (else 60/30 s)
 
     def connector(self, name: str | None) -> tuple[str, KvTransfer] | None:

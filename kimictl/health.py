@@ -7,6 +7,7 @@ import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 # Counters that prove a completion went prefill -> decode (vLLM's own names; the simulator exports them too).
@@ -57,6 +58,12 @@ def http_post_json(url: str, body: dict[str, Any], timeout: float = 60.0,
         return status, text
 
 
+def body_text(body: Any, limit: int = 200) -> str:
+    """An HTTP reply for a message: JSON as JSON (never a Python repr), cut to `limit` characters."""
+    text = body if isinstance(body, str) else json.dumps(body, separators=(",", ":"))
+    return text[:limit]
+
+
 def engine_ready(ip: str, port: int, served_name: str, timeout: float = 3.0, api_key: str | None = None) -> Ready:
     """Model-aware readiness: /health is 200 and /v1/models lists the served model name."""
     code, text = http_get(f"http://{ip}:{port}/health", timeout, api_key)
@@ -102,16 +109,21 @@ def metric_totals(ip: str, port: int, timeout: float = 3.0) -> dict[str, float]:
     return scrape(ip, port, timeout)[0]
 
 
-def prompt_sources(endpoints: list[tuple[str, int]], timeout: float = 3.0) -> dict[str, float] | None:
+def prompt_sources(endpoints: list[tuple[str, int]], timeout: float = 3.0, http: Any = None) -> dict[str, float] | None:
     """vllm:prompt_tokens_by_source_total per source, summed over the endpoints; None when none exports it."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    get = http.http_get if http else http_get
     out: dict[str, float] | None = None
     for ip, port in endpoints:
-        code, text = http_get(f"http://{ip}:{port}/metrics", timeout)
+        code, text = get(f"http://{ip}:{port}/metrics", timeout)
         if code != 200:
             continue
-        for fam in text_string_to_metric_families(text):
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError:
+            continue
+        for fam in families:
             if fam.name != PROMPT_SOURCES:
                 continue
             out = out if out is not None else {}
@@ -141,21 +153,25 @@ class PdProbe:
 
 
 def pd_probe(url: str, model: str, prefill: list[tuple[str, int]], decode: list[tuple[str, int]], *,
-             words: int = 64, max_tokens: int = 2, timeout: float = 60.0, api_key: str | None = None) -> PdProbe:
+             words: int = 64, max_tokens: int = 2, timeout: float = 60.0, api_key: str | None = None,
+             http: Any = None) -> PdProbe:
     """Send one completion through the P/D proxy; it passes when decode's external_kv_transfer rose by at least the
     prompt's tokens and its local_compute did not rise (the prompt begins with a fresh nonce, so no prefix cache
     serves it). Engines that do not export vllm:prompt_tokens_by_source are judged by prefill's prompt tokens and
-    decode's external prefix cache queries both rising."""
+    decode's external prefix cache queries both rising. `http`: this module's HTTP functions, or a stand-in."""
+    http = http or SimpleNamespace(metric_totals=metric_totals, http_post_json=http_post_json, http_get=http_get)
+
     def prefill_tokens() -> float:
-        return sum(metric_totals(ip, port).get(PREFILL_COUNTER, 0.0) for ip, port in prefill)
+        return sum(http.metric_totals(ip, port).get(PREFILL_COUNTER, 0.0) for ip, port in prefill)
 
     def decode_queries() -> float:
-        return sum(metric_totals(ip, port).get(DECODE_COUNTER, 0.0) for ip, port in decode)
+        return sum(http.metric_totals(ip, port).get(DECODE_COUNTER, 0.0) for ip, port in decode)
 
-    p0, s0, q0 = prefill_tokens(), prompt_sources(decode), decode_queries()
-    code, body = http_post_json(url, {"model": model, "prompt": smoke_prompt(words, nonce=True),
-                                      "max_tokens": max_tokens, "temperature": 0}, timeout=timeout, api_key=api_key)
-    p1, s1, q1 = prefill_tokens(), prompt_sources(decode), decode_queries()
+    p0, s0, q0 = prefill_tokens(), prompt_sources(decode, http=http), decode_queries()
+    code, body = http.http_post_json(url, {"model": model, "prompt": smoke_prompt(words, nonce=True),
+                                           "max_tokens": max_tokens, "temperature": 0}, timeout=timeout,
+                                     api_key=api_key)
+    p1, s1, q1 = prefill_tokens(), prompt_sources(decode, http=http), decode_queries()
     usage = body.get("usage") if isinstance(body, dict) else None
     prompt = float(usage.get("prompt_tokens") or 0) if isinstance(usage, dict) else 0.0
     answered = code == 200 and isinstance(body, dict) and bool(body.get("choices"))

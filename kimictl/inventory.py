@@ -158,6 +158,8 @@ KEYS: dict[str, Key] = {
                                                "the newest final release"),
     "kimi_runtime": Key("cluster", "container (default) or host"),
     "kimi_proxy_host": Key("cluster", "inventory host that runs the P/D proxy, default the first prefill host"),
+    "kimi_monitor_host": Key("cluster", "inventory host that runs Prometheus (`kimictl observe up`), default the "
+                                        "proxy host"),
     "kimi_api_key_file": Key("cluster", "file on the control node (mode 0600) holding the key clients must send "
                                         "to the proxy (Authorization: Bearer); unset: no key"),
     "kimi_draft_model_dir": Key("cluster", "draft checkpoint path (eagle3 or dflash, per the topology); setting it "
@@ -193,6 +195,7 @@ class ClusterSettings(BaseModel):
     kimi_vllm_ascend_version: Annotated[str, AfterValidator(_known_version)] | None = None
     kimi_runtime: Literal["container", "host"] = "container"
     kimi_proxy_host: str | None = None
+    kimi_monitor_host: str | None = None
     kimi_api_key_file: AbsPath | None = None
     kimi_draft_model_dir: KimiDir | None = None
     kimi_media_dir: MediaDir = "/var/lib/kimi/media"
@@ -545,7 +548,7 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
         except InvalidInput as exc:
             c.err(c.all_origin["kimi_api_key_file"].line, f"all.vars: {exc.message}")
     names = [h.name for h in hosts]
-    if cluster.kimi_proxy_host and cluster.kimi_proxy_host not in names:
-        c.err(c.all_origin["kimi_proxy_host"].line,
-              f"all.vars: kimi_proxy_host '{cluster.kimi_proxy_host}' is not an inventory host"
-                 + _dym(cluster.kimi_proxy_host, names))
+    for key in ("kimi_proxy_host", "kimi_monitor_host"):
+        value = getattr(cluster, key)
+        if value and value not in names:
+            c.err(c.all_origin[key].line, f"all.vars: {key} '{value}' is not an inventory host" + _dym(value, names))

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kimictl.ansible import close_control_masters
-from kimictl.deploy import LIVE_STATES, DeployOptions, EngineOps, Proc, compute_changes, observe, process_tag
+from kimictl import remote, state
 from kimictl.errors import HostError
+from kimictl.hostops import LIVE_STATES, HostOps, Proc, compute_changes, observe, process_tag
 from kimictl.inventory import Inventory
 from kimictl.logs import role_of
 from kimictl.ssh import Sessions, SSHError
@@ -34,9 +34,11 @@ class LifecycleResult:
                 "hosts": self.hosts, "run_dir": self.run_dir}
 
 
-def _ops(inv: Inventory, name: str, served_model_name: str, opts: DeployOptions, say: Callable[[str], None],
-         on_event: Callable[[str, str, str], None] | None) -> EngineOps:
-    return EngineOps(inv, inv.cluster.name, served_model_name, name, opts, say, on_event)
+def _ops(inv: Inventory, name: str, served_model_name: str, say: Callable[[str], None],
+         on_event: Callable[[str, str, str], None] | None, accept_new_host_keys: bool,
+         ready_timeout: float | None = None) -> HostOps:
+    return HostOps(inv, served_model_name, state.new_run_dir(inv.cluster.name, name), say=say, on_event=on_event,
+                   accept_new_host_keys=accept_new_host_keys, ready_timeout=ready_timeout)
 
 
 # --- stop ------------------------------------------------------------------------------------------------
@@ -63,14 +65,14 @@ def stop(inv: Inventory, *, say: Callable[[str], None], on_event: Callable[[str,
     if not phases:
         say("nothing runs: every supervised process is already stopped")
         return LifecycleResult(inv.cluster.name, "stop", "already-stopped", hosts)
-    d = _ops(inv, "stop", "", DeployOptions(accept_new_host_keys=accept_new_host_keys), say, on_event)
+    d = _ops(inv, "stop", "", say, on_event, accept_new_host_keys)
     try:
         for phase in phases:
             d.apply_actions(phase, {}, "stop")
             for h, ids in phase.items():
                 hosts[h]["stopped"] += ids
     finally:
-        close_control_masters(d.run_dir)
+        d.close()
     after = observe(inv, accept_new_keys=accept_new_host_keys)
     left = [(h, pid, st.get("state")) for h, o in after.items() for pid, st in o.states.items()
             if st.get("state") in RUNNING]
@@ -84,30 +86,12 @@ def stop(inv: Inventory, *, say: Callable[[str], None], on_event: Callable[[str,
 
 # --- start -----------------------------------------------------------------------------------------------
 
-# One round trip per host: the current release's manifest and the files whose hashes make the tags.
-_READ_CURRENT = r"""
-import json, os, sys
-sd = sys.argv[1]; cur = os.path.join(sd, "current")
-if not os.path.islink(cur):
-    print("null"); sys.exit(0)
-rel = os.path.realpath(cur); files = {}
-for sub in ("engines", "proxy"):
-    d = os.path.join(rel, sub)
-    for n in (sorted(os.listdir(d)) if os.path.isdir(d) else []):
-        with open(os.path.join(d, n), encoding="utf-8") as f:
-            files[sub + "/" + n] = f.read()
-with open(os.path.join(rel, "manifest.json"), encoding="utf-8") as f:
-    man = json.load(f)
-print(json.dumps({"release": os.path.basename(rel), "manifest": man, "files": files}))
-"""
-
-
 def read_current(inv: Inventory, timeout: float = 30.0, accept_new_keys: bool = False) -> dict[str, Any]:
     """Per host: {release, manifest, files} of `current`, or None when the host has no current release."""
 
     def one(name: str, s) -> Any:
         res = s.run(f"python3 - {shlex.quote(inv.host(name).kimi_state_dir)}", timeout=timeout,
-                    stdin=_READ_CURRENT)
+                    stdin=remote.script("read_current.py"))
         if res.rc != 0:
             raise SSHError(f"{name}: cannot read the current release: {res.stderr.strip()[-300:]}")
         return json.loads(res.stdout)
@@ -163,14 +147,13 @@ def start(inv: Inventory, *, say: Callable[[str], None], on_event: Callable[[str
                                         for h, c in current.items()}
     for p in procs:
         hosts[p.host]["started" if (p.host, p.id) in todo else "kept"].append(p.id)
-    d = _ops(inv, "start", served,
-             DeployOptions(ready_timeout=ready_timeout, accept_new_host_keys=accept_new_host_keys), say, on_event)
+    d = _ops(inv, "start", served, say, on_event, accept_new_host_keys, ready_timeout)
 
     def starts(group: list[Proc]) -> dict[str, list[dict[str, Any]]]:
         out: dict[str, list[dict[str, Any]]] = {}
         for p in group:
             if (p.host, p.id) in todo:
-                out.setdefault(p.host, []).append({"id": p.id, "cmd": p.cmd, "tag": p.tag, "replace": False})
+                out.setdefault(p.host, []).append(p.start_action())
         return out
 
     engines = [p for p in procs if p.kind == "engine"]
@@ -181,6 +164,6 @@ def start(inv: Inventory, *, say: Callable[[str], None], on_event: Callable[[str
         d.apply_actions({}, starts(proxies), "proxy")
         d.wait_ready(proxies)
     finally:
-        close_control_masters(d.run_dir)
+        d.close()
     return LifecycleResult(inv.cluster.name, "start", "started" if todo else "already-running", hosts,
                            str(d.run_dir) if todo else None)

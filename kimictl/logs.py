@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kimictl import remote, state
 from kimictl.errors import InvalidInput
 from kimictl.inventory import Inventory
 from kimictl.ssh import Sessions, SSHError
-from kimictl.state import control_dir
 
 ROLES = ("prefill", "decode", "colocated", "proxy")
 MASK = "[REDACTED]"
@@ -224,38 +224,14 @@ def select(found: dict[str, dict[str, Any]], roles: list[str] | None, engines: l
     return out
 
 
-# One round trip per host; python3 is there (the supervisor needs it). Argument: JSON.
-_TAIL_SCRIPT = r"""
-import glob, json, os, sys
-a = json.loads(sys.argv[1]); sd = a["sd"]
-def tail(path, n):
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2); end = f.tell(); pos = end; buf = b""
-            while pos > 0 and buf.count(b"\n") <= n:
-                step = min(65536, pos); pos -= step; f.seek(pos); buf = f.read(step) + buf
-    except OSError:
-        return None
-    lines = buf.decode("utf-8", "replace").splitlines()
-    return lines[-n:] if n > 0 else []
-try:
-    man = json.load(open(os.path.join(sd, "current", "manifest.json")))
-except (OSError, ValueError):
-    man = None
-ids = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(sd, "run", "*.json")))
-want = ([e["id"] for e in man.get("engines", [])] + (["proxy"] if man.get("proxy") else [])) if man else ids
-logs = {i: tail(os.path.join(sd, "logs", i + ".log"), a["lines"]) for i in want}
-print(json.dumps({"manifest": man, "states": ids, "logs": logs}))
-"""
-
-
 def collect_tails(inv: Inventory, lines: int, timeout: float = 30.0
                   ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """Per host: manifest, supervised ids and the last `lines` lines of every process's log."""
 
     def one(name: str, s) -> dict[str, Any]:
         sd = inv.host(name).kimi_state_dir
-        res = s.run(f"python3 - {_q(json.dumps({'sd': sd, 'lines': lines}))}", timeout=timeout, stdin=_TAIL_SCRIPT)
+        res = s.run(f"python3 - {_q(json.dumps({'sd': sd, 'lines': lines}))}", timeout=timeout,
+                    stdin=remote.script("log_tail.py"))
         if res.rc != 0:
             raise SSHError(f"{name}: reading logs failed (rc {res.rc}): {res.stderr.strip()[-300:]}")
         return json.loads(res.stdout) | {"sd": sd}
@@ -292,62 +268,6 @@ def tail_logs(inv: Inventory, *, roles: list[str] | None = None, engines: list[s
 
 # --- bundle ----------------------------------------------------------------------------------------------
 
-_BUNDLE_SCRIPT = r"""
-import glob, json, os, platform, socket, subprocess, sys
-a = json.loads(sys.argv[1]); sd, cap = a["sd"], a["cap"]
-files, errors = {}, []
-env = dict(os.environ)
-env["PATH"] = ("/usr/local/bin:/usr/local/sbin:/usr/local/Ascend/driver/tools:/usr/sbin:/usr/bin:/sbin:/bin:"
-               + env.get("PATH", ""))
-env["LC_ALL"] = "C"
-def read(path, name):
-    try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            if cap and size > cap:
-                f.seek(size - cap); data = f.read(); data = data[data.find(b"\n") + 1:]
-                data = ("[kimictl: first %d of %d bytes left out]\n" % (size - len(data), size)).encode() + data
-            else:
-                data = f.read()
-        files[name] = data.decode("utf-8", "replace")
-    except OSError as e:
-        errors.append("%s: %s" % (name, e))
-def run(argv, name):
-    try:
-        p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=30, env=env)
-        out = p.stdout.decode("utf-8", "replace")
-        files[name] = out if p.returncode == 0 else out + "\n[kimictl: exit code %d]\n" % p.returncode
-    except OSError as e:
-        files[name] = "[kimictl: cannot run %s: %s]\n" % (argv[0], e)
-    except subprocess.TimeoutExpired:
-        files[name] = "[kimictl: %s timed out after 30s]\n" % " ".join(argv)
-run(["npu-smi", "info"], "npu-smi-info.txt")
-for i in range(a["npus"]):
-    run(["hccn_tool", "-i", str(i), "-link", "-g"], "hccn/npu%02d-link.txt" % i)
-    run(["hccn_tool", "-i", str(i), "-net_health", "-g"], "hccn/npu%02d-net_health.txt" % i)
-for p in sorted(glob.glob(os.path.join(sd, "logs", "*.log")) + glob.glob(os.path.join(sd, "logs", "*.log.1"))):
-    read(p, "logs/" + os.path.basename(p))
-cur = None
-if os.path.islink(os.path.join(sd, "current")):
-    cur = os.path.realpath(os.path.join(sd, "current"))
-    for root, _dirs, names in os.walk(cur):
-        for n in sorted(names):
-            full = os.path.join(root, n)
-            read(full, "release/" + os.path.relpath(full, cur))
-for p in sorted(glob.glob(os.path.join(sd, "run", "*.json"))):
-    read(p, "run/" + os.path.basename(p))
-for n in (".kimi-complete", ".kimi-stamps.json"):   # what `weights pull/verify` recorded
-    if os.path.exists(os.path.join(a["model_dir"], n)):
-        read(os.path.join(a["model_dir"], n), "weights/" + n.lstrip("."))
-sup = os.path.join(sd, "bin", "supervisor.py")
-if os.path.exists(sup):
-    run([sys.executable, sup, "status", "--run-dir", os.path.join(sd, "run")], "supervisor-status.json")
-meta = {"hostname": socket.gethostname(), "uname": " ".join(platform.uname()), "state_dir": sd,
-        "current": os.path.basename(cur) if cur else None, "errors": errors}
-sys.stdout.write(json.dumps({"files": files, "meta": meta}))
-"""
-
-
 def _q(s: str) -> str:
     import shlex
 
@@ -362,29 +282,13 @@ def collect_host_files(inv: Inventory, max_file_bytes: int, timeout: float = 300
         h = inv.host(name)
         arg = json.dumps({"sd": h.kimi_state_dir, "cap": max_file_bytes, "npus": h.hardware.npus,
                           "model_dir": inv.cluster.kimi_model_dir})
-        res = s.run(f"python3 - {_q(arg)}", timeout=timeout, stdin=_BUNDLE_SCRIPT)
+        res = s.run(f"python3 - {_q(arg)}", timeout=timeout, stdin=remote.script("diag_bundle.py"))
         if res.rc != 0:
             raise SSHError(f"{name}: collecting files failed (rc {res.rc}): {res.stderr.strip()[-300:]}")
         return json.loads(res.stdout)
 
     with Sessions(inv, timeout=15.0) as sessions:
         return sessions.each(one)
-
-
-def control_files(cluster: str) -> dict[str, str]:
-    """Releases, the last preflight report, the weights manifest and the newest run's plan.json."""
-    base = control_dir(cluster)
-    out: dict[str, str] = {}
-    for name in ("releases.jsonl", "current.json", "preflight.json", "weights-manifest.json"):
-        p = base / name
-        if p.is_file():
-            out[name] = p.read_text(errors="replace")
-    runs = sorted((d for d in (base / "runs").glob("*") if (d / "plan.json").is_file()),
-                  key=lambda d: d.name) if (base / "runs").is_dir() else []
-    if runs:
-        out["plan.json"] = (runs[-1] / "plan.json").read_text(errors="replace")
-        out["plan-run.txt"] = f"{runs[-1]}\n"
-    return out
 
 
 @dataclass
@@ -464,7 +368,7 @@ def build_bundle(inv: Inventory, dest: Path, redactor: Redactor, *,
         for rel, text in res["files"].items():
             add(f"{cluster}/{h.name}/{rel}", text)
         add(f"{cluster}/{h.name}/host.json", json.dumps(res["meta"], indent=1) + "\n")
-    for rel, text in control_files(cluster).items():
+    for rel, text in state.bundle_files(cluster).items():
         add(f"{cluster}/{CONTROL_DIR_NAME}/{rel}", text)
     index = {"schema_version": 1, "cluster": cluster, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
              "hosts": hosts, "redactions": redactor.total, "redactions_by_kind": redactor.counts,

@@ -27,7 +27,7 @@ from kimictl.facts import (
     version_profile,
 )
 from kimictl.inventory import Host, Inventory
-from kimictl.topology import Topology
+from kimictl.topology import FrontLimits, Topology
 
 HCCL_DEFAULT_BUFFSIZE_MIB = 200  # HCCL's own default when HCCL_BUFFSIZE is unset
 
@@ -121,6 +121,10 @@ class ProxyPlan(_Model):
     decode: list[Endpoint]
     routers: list[RouterPort] = []  # loopback ports of the router copies behind the proxy port
     api_key: bool = False  # clients must send the inventory's kimi_api_key_file
+    # The routers' own API behind the front needs kimictl's admin key (False: a release made before it had one,
+    # whose front took the client key there).
+    admin_key: bool = False
+    limits: FrontLimits = FrontLimits()
 
 
 class PortUse(_Model):
@@ -607,7 +611,8 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
 
         proxy = ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=topo.proxy.router,
                           policy=topo.proxy.policy, prefill=endpoints("prefill"), decode=endpoints("decode"),
-                          routers=routers, api_key=inv.cluster.kimi_api_key_file is not None)
+                          routers=routers, api_key=inv.cluster.kimi_api_key_file is not None, admin_key=True,
+                          limits=FrontLimits(**{k: getattr(topo.proxy, k) for k in FrontLimits.model_fields}))
 
     return Plan(
         cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,

@@ -22,23 +22,30 @@ from kimictl.state import cached_manifest_bytes
 
 CLOCK_SKEW_MAX_S = 2.0
 DISK_HEADROOM = 1.05
-LISTING_TIMEOUT_S = 10.0   # a hub that does not answer by then: judge disk room against the estimate
+LISTING_TIMEOUT_S = 10.0   # a hub that does not answer by then: judge disk room against the estimate (and say why)
 MIN_HOST_MEMORY_GIB = 64
 
 
-def checkpoint_bytes(inv: Inventory) -> tuple[int, bool]:
-    """(bytes, exact): the recorded manifest, else the hub's listing (read-only, cached), else model facts."""
-    need, exact = cached_manifest_bytes(inv.cluster.name)
-    if need is None and inv.cluster.kimi_model_source != "local":
-        from kimictl.weights.stage import load_manifest, read_token
+def checkpoint_bytes(inv: Inventory) -> tuple[int, str | None]:
+    """(bytes, None): the recorded manifest, else the hub's listing (read-only, cached); else (model facts' bytes,
+    why the listing is not known), which RES-001 says next to the estimate."""
+    need, _ = cached_manifest_bytes(inv.cluster.name)
+    if need is not None:
+        return need, None
+    if inv.cluster.kimi_model_source == "local":
+        return _estimate(inv), "kimi_model_source is local and no weights pull recorded a manifest"
+    from kimictl.weights.stage import load_manifest, read_token
 
-        try:
-            load_manifest(inv, read_token(inv.cluster.kimi_model_source, None), timeout=LISTING_TIMEOUT_S)
-            need, exact = cached_manifest_bytes(inv.cluster.name)
-        except KimictlError:
-            pass   # hub unreachable from here: judge against the estimate (the message says so)
-    facts = engine_profile(inv.cluster.kimi_engine_profile).facts(inv.cluster.kimi_model_id)
-    return (need, exact) if need is not None else (facts.total_bytes, False)
+    try:
+        m = load_manifest(inv, read_token(inv.cluster.kimi_model_source, None), timeout=LISTING_TIMEOUT_S)
+    except Exception as exc:   # whatever it is, preflight goes on against the estimate and says why
+        why = exc.message if isinstance(exc, KimictlError) else f"{type(exc).__name__}: {exc}"
+        return _estimate(inv), f"the hub listing could not be read: {why[:300]}"
+    return m.total_bytes, None
+
+
+def _estimate(inv: Inventory) -> int:
+    return engine_profile(inv.cluster.kimi_engine_profile).facts(inv.cluster.kimi_model_id).total_bytes
 
 
 class CheckResult(BaseModel):
@@ -162,7 +169,8 @@ def driver_checks(j: _Judge, host: str, drv: str, ver: VersionProfile) -> None:
           f"HDK {floor}" if floor else f"no validated HDK recorded for vllm-ascend {ver.version}")
 
 
-def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_bytes: int, exact: bool) -> None:
+def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_bytes: int,
+                 estimate: str | None) -> None:
     hw = hardware_catalogue()[h.kimi_hardware]
     ver = version_profile(plan.vllm_ascend_version)
     planned = sorted({d for e in plan.engines_on(h.name) for d in e.devices})
@@ -242,7 +250,7 @@ def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_
               "(config.json and *.safetensors)")
     else:
         need = max(0, int(need_bytes * DISK_HEADROOM) - present)
-        label = "checkpoint" if exact else "checkpoint (estimate from model facts)"
+        label = "checkpoint" if estimate is None else f"checkpoint (estimate from model facts; {estimate})"
         j.add("RES-001", h.name, free >= need,
               f"{free / 2**30:.1f} GiB free at {inv.cluster.kimi_model_dir}; the {label} of "
               f"{need_bytes / 2**30:.1f} GiB (+5%) needs "
@@ -385,7 +393,7 @@ def run_preflight(inv: Inventory, plan: Plan, *, timeout: float = 20.0, accept_n
     runs the mesh."""
     t_start = time.monotonic()
     j = _Judge(skip or set())
-    need, exact = checkpoint_bytes(inv)
+    need, estimate = checkpoint_bytes(inv)
     device_ips: dict[str, list[str | None]] = {h.name: list(h.kimi_device_ips) for h in inv.hosts
                                                if h.kimi_device_ips}
     one_trip = len(device_ips) == len(inv.hosts)
@@ -427,7 +435,7 @@ def run_preflight(inv: Inventory, plan: Plan, *, timeout: float = 20.0, accept_n
             ran = {name: r for name, r in sessions.each(mesh).items() if name in probes}
 
     for name, p in probes.items():
-        _host_checks(j, inv, plan, inv.host(name), p, need, exact)
+        _host_checks(j, inv, plan, inv.host(name), p, need, estimate)
     _ping_checks(j, list(probes), pings, ran, device_ips)
     _cross_checks(j, inv, plan, probes)
     order = {h.name: i for i, h in enumerate(inv.hosts)}

@@ -19,15 +19,18 @@ from kimictl.resources import templates_dir
 from kimictl.topology import Topology
 
 RENDER_SCHEMA_VERSION = 1
-# Under a host's kimi_state_dir: the proxy front (shipped like the supervisor), its state, the clients' API key.
+# Under a host's kimi_state_dir: the proxy front (shipped like the supervisor), its state, the clients' API key,
+# the admin key of the routers' own API behind it.
 PROXY_FRONT = "bin/proxy_front.py"
 PROXY_FRONT_STATE = "run/proxy-front/state.json"
 PROXY_API_KEY = "secrets/proxy-api-key"
+PROXY_ADMIN_KEY = "secrets/proxy-admin-key"
 # Engine-side shims of the lane's engine profile (they run inside the engine, e.g. kimictl_mooncake_cpu.py): deploy
 # ships the one the plan's connector names to <kimi_state_dir>/bin/ with the supervisor.
 ENGINE_SHIM_DIR = Path(__file__).parent / "sandbox"
 ASCEND_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
-# Host paths the vllm-ascend docs bind into every container (vllm-ascend.md §2), read-only.
+# Host paths the vllm-ascend docs bind into every container, read-only:
+# https://github.com/vllm-project/vllm-ascend/blob/releases/v0.23.0/docs/source/installation.md
 ASCEND_MOUNTS = (
     "/usr/local/dcmi",
     "/usr/local/Ascend/driver/tools/hccn_tool",
@@ -62,7 +65,7 @@ class RenderedProxy(BaseModel):
 
 
 class Rendered(BaseModel):
-    """Everything `render` produces: the CONTRACT document plus the files per host."""
+    """Everything `render` produces: the contract document (docs/contract.md) plus the files per host."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -73,7 +76,7 @@ class Rendered(BaseModel):
     releases: dict[str, str]  # host -> release id (hash of that host's files)
 
     def contract(self) -> dict[str, Any]:
-        """`render --output json` (schema_version 1, see CONTRACT.md)."""
+        """`render --output json` (schema_version 1, see docs/contract.md)."""
         p = self.plan
         return {
             "schema_version": RENDER_SCHEMA_VERSION,
@@ -295,6 +298,12 @@ def front_argv(plan: Plan, inv: Inventory) -> list[str]:
         argv += ["--watch", url]
     if p.api_key:
         argv += ["--api-key-file", f"{sd}/{PROXY_API_KEY}"]
+    if p.admin_key:
+        argv += ["--admin-key-file", f"{sd}/{PROXY_ADMIN_KEY}"]
+    lim = p.limits
+    argv += ["--max-connections", str(lim.max_connections), "--max-body", str(lim.max_body_mib * 2**20),
+             "--header-timeout", str(lim.header_timeout_s), "--io-timeout", str(lim.io_timeout_s),
+             "--idle-timeout", str(lim.idle_timeout_s)]
     return [*argv, "--", *proxy_argv(plan, inv)]
 
 
@@ -385,7 +394,7 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             ],
             "proxy": None if not (plan.proxy and plan.proxy.host == host) else
             {"port": plan.proxy.port, "command": ["bash", "proxy/proxy.sh"], "routers": len(plan.proxy.routers),
-             "api_key": plan.proxy.api_key},
+             "api_key": plan.proxy.api_key, "admin_key": plan.proxy.admin_key},
         }
         out["manifest.json"] = render_template("manifest.json.j2", manifest=manifest)
     return Rendered(plan=plan, engines=engines, proxy=proxy, files=files, releases=releases)
@@ -402,7 +411,7 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def write_rendered(rendered: Rendered, out_dir: Path) -> list[Path]:
-    """Write each host's files under out_dir/<host>/ and the CONTRACT document as out_dir/render.json."""
+    """Write each host's files under out_dir/<host>/ and the contract document as out_dir/render.json."""
     written: list[Path] = []
     for host, files in rendered.files.items():
         for rel, content in files.items():

@@ -4,11 +4,13 @@ rendered files, run directories or logs."""
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kimictl.errors import InvalidInput
+from kimictl.state import control_dir
 
 if TYPE_CHECKING:
     from kimictl.inventory import Inventory
@@ -43,3 +45,29 @@ def proxy_api_key(inv: Inventory) -> str | None:
     """The key clients send to the proxy (all.vars.kimi_api_key_file), or None when the inventory sets none."""
     f = inv.cluster.kimi_api_key_file
     return read_secret_file(Path(f), "all.vars.kimi_api_key_file") if f else None
+
+
+def proxy_admin_key_path(cluster: str) -> Path:
+    """The admin key of the routers' own API behind kimictl's proxy front: made by kimictl, kept in the cluster's
+    control-node state (0600) and installed next to the front like the client key."""
+    return control_dir(cluster) / "secrets" / "proxy-admin-key"
+
+
+def proxy_admin_key(cluster: str, create: bool = False) -> str | None:
+    """The admin key, made on first use when `create` (deploy, rollout); None when there is none yet."""
+    path = proxy_admin_key_path(cluster)
+    if create and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+        try:
+            os.link(tmp, path)  # never replaces a key another kimictl made meanwhile
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    if not path.exists():
+        return None
+    return read_secret_file(path, "the proxy admin key")

@@ -1,10 +1,43 @@
-"""Control-node state per cluster: releases, the checkpoint manifest cache, run directories."""
+"""Control-node state per cluster, and its only reader and writer.
+
+Everything kimictl remembers about a cluster lives under $KIMICTL_STATE_DIR/<cluster>/ (default
+~/.local/state/kimictl/<cluster>/):
+
+  releases.jsonl         the release history: one ReleaseRecord per deploy, rollback and rollout attempt
+  current.json           the last `deployed` record (what the cluster runs, per the control node)
+  weights-manifest.json  the checkpoint's file list (the hub's listing, cached for offline verify and sizing)
+  preflight.json         the last preflight report (for `logs --bundle`)
+  runs/<stamp>-<name>/   one directory per run: rendered files, plan.json, rendered.json (a release can be
+                         deployed again from it), the rollout's effective topology.yml, Ansible artifacts
+  weights.lock, weights-small/   the weights stage's lock and small-file cache
+
+Error policy, the same for every file: a missing record is "nothing recorded" (None, or an empty history); a
+damaged one (not JSON, a truncated line, a record without its release id) raises StateError naming the file and
+line, with how to repair it - never a guess and never a traceback. A damaged cache (the weights manifest) is
+reported the same way by `read_manifest_cache`; `cached_manifest_bytes` treats it as absent because the caller
+can read the hub's listing again.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kimictl.errors import StateError
+
+if TYPE_CHECKING:
+    from kimictl.render import Rendered
+
+RELEASES = "releases.jsonl"
+CURRENT = "current.json"
+MANIFEST_CACHE = "weights-manifest.json"
+PREFLIGHT = "preflight.json"
 
 
 def control_dir(cluster: str) -> Path:
@@ -14,46 +47,210 @@ def control_dir(cluster: str) -> Path:
     return Path(base) / cluster
 
 
-def manifest_path(cluster: str) -> Path:
-    return control_dir(cluster) / "manifest.json"
+def new_run_dir(cluster: str, name: str) -> Path:
+    """runs/<UTC stamp>-<name>: where one run keeps its files (created by whoever writes first)."""
+    return control_dir(cluster) / "runs" / f"{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}-{name}"
 
 
-def cached_manifest_bytes(cluster: str) -> tuple[int | None, bool]:
-    """Total checkpoint bytes from the cached manifest (exact), or (None, False) when none is cached."""
-    path = manifest_path(cluster)
+def release_id(host_releases: dict[str, str]) -> str:
+    """The cluster release id: a hash of every host's release id (each a hash of that host's files)."""
+    h = hashlib.sha256()
+    for host, rel in sorted(host_releases.items()):
+        h.update(f"{host}:{rel}".encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text; None when it does not exist; StateError when it exists but cannot be read."""
     try:
-        files = json.loads(path.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None, False
-    return sum(int(f["size"]) for f in files), True
+        return path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise StateError(f"cannot read {path}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
-def write_manifest(cluster: str, files: list[dict], source: dict) -> Path:
-    path = manifest_path(cluster)
+# --- release records -----------------------------------------------------------------------------------------
+
+
+class ReleaseRecord(BaseModel):
+    """One line of releases.jsonl (and current.json): what was deployed where, when, by whom, with what result.
+    Rollout records carry the rollout fields too (kind "rollout")."""
+
+    model_config = ConfigDict(extra="allow")
+
+    release: str
+    at: str = ""
+    by: str = ""
+    cluster: str = ""
+    topology: str = ""
+    hosts: dict[str, str] = {}
+    result: str = ""  # deployed | no-changes | failed | rolled-back
+    run_dir: str | None = None
+    kind: str | None = None  # None: a deploy (or rollback); "rollout"
+    attempted_release: str | None = None
+    previous_release: str | None = None
+    rollout_run_dir: str | None = None
+    sets: list[str] | None = None
+    changes: list[dict[str, Any]] = []
+    error: str | None = None
+
+    @classmethod
+    def now(cls, **fields: Any) -> ReleaseRecord:
+        import getpass
+
+        return cls(at=datetime.now(UTC).isoformat(timespec="seconds"), by=getpass.getuser(), **fields)
+
+    def to_line(self) -> str:
+        return json.dumps(self.model_dump(mode="json", exclude_unset=True))
+
+
+def _parse_record(text: str, where: str, repair: str) -> ReleaseRecord:
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise StateError(f"{where} is damaged: not JSON ({exc.msg} at column {exc.colno})", hint=repair) from None
+    try:
+        return ReleaseRecord.model_validate(doc)
+    except ValidationError as exc:
+        bad = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'record'}: {e['msg']}" for e in exc.errors()[:3])
+        raise StateError(f"{where} is damaged: {bad}", hint=repair) from None
+
+
+def history(cluster: str) -> list[ReleaseRecord]:
+    """Every recorded release attempt, oldest first (empty when nothing was ever deployed)."""
+    path = control_dir(cluster) / RELEASES
+    text = _read_text(path)
+    out: list[ReleaseRecord] = []
+    for n, line in enumerate((text or "").splitlines(), 1):
+        if line.strip():
+            out.append(_parse_record(line, f"the release history {path} (line {n})",
+                                     "each line is one JSON record; a cut-off last line is an interrupted write: "
+                                     "delete that line (the lines before it are intact)"))
+    return out
+
+
+def current(cluster: str) -> ReleaseRecord | None:
+    """The last deployed release (current.json), or None when none is recorded."""
+    path = control_dir(cluster) / CURRENT
+    text = _read_text(path)
+    if text is None:
+        return None
+    return _parse_record(text, f"the current-release record {path}",
+                         f"it is a copy of the last `deployed` line of {RELEASES} next to it: copy that line back "
+                         "into it, or delete it (then `kimictl deploy` converges from scratch)")
+
+
+def record_release(cluster: str, rec: ReleaseRecord) -> None:
+    """Append to the history; a deployed release also becomes `current`."""
+    path = control_dir(cluster) / RELEASES
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"source": source, "files": files}, indent=1, sort_keys=True) + "\n")
-    tmp.replace(path)
-    return path
-
-
-def save_preflight(cluster: str, report: dict) -> None:
-    """The last preflight report (for `logs --bundle`)."""
-    path = control_dir(cluster) / "preflight.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    tmp.replace(path)
+    with path.open("a+b") as f:
+        cut = False
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            cut = f.read(1) != b"\n"
+        # an interrupted earlier write left a partial line: keep it apart, so only that line is damaged
+        f.write((b"\n" if cut else b"") + rec.to_line().encode() + b"\n")
+    if rec.result == "deployed":
+        _write_atomic(control_dir(cluster) / CURRENT, json.dumps(json.loads(rec.to_line()), indent=1))
 
 
 def deployed_diff(cluster: str, releases: dict[str, str]) -> dict:
     """Compare a render's per-host release ids with the last successful deploy (control-node record only)."""
-    path = control_dir(cluster) / "current.json"
-    try:
-        rec = json.loads(path.read_text())
-    except (OSError, ValueError):
+    rec = current(cluster)
+    if rec is None:
         return {"release": None, "changed_hosts": sorted(releases), "removed_hosts": []}
-    old = rec.get("hosts", {})
-    return {"release": rec.get("release"), "deployed_at": rec.get("at"),
+    old = rec.hosts
+    return {"release": rec.release, "deployed_at": rec.at or None,
             "changed_hosts": sorted(h for h, r in releases.items() if old.get(h) != r),
             "removed_hosts": sorted(h for h in old if h not in releases)}
+
+
+# --- run directories -----------------------------------------------------------------------------------------
+
+
+def save_run(run_dir: Path, rendered: Rendered, full: Rendered, topology_yaml: str | None = None) -> None:
+    """What a run deploys: the files of the hosts it touches (rendered/), the plan, the whole render as
+    rendered.json (enough to deploy this release again without the topology file) and, for a rollout, the
+    effective topology (the next rollout's default)."""
+    from kimictl.render import write_rendered
+
+    write_rendered(rendered, run_dir / "rendered")
+    (run_dir / "plan.json").write_text(json.dumps(full.plan.model_dump(mode="json"), indent=1))
+    (run_dir / "rendered.json").write_text(full.model_dump_json())
+    if topology_yaml is not None:
+        (run_dir / "topology.yml").write_text(topology_yaml)
+
+
+def run_snapshot(rec: ReleaseRecord, what: str) -> Rendered:
+    """The render a recorded release was deployed from (its run directory's rendered.json)."""
+    from kimictl.render import Rendered
+
+    snap = Path(rec.run_dir or "") / "rendered.json"
+    text = _read_text(snap) if rec.run_dir else None
+    if text is None:
+        raise StateError(f"{what} {rec.release} has no render snapshot ({snap})",
+                         hint="converge with `kimictl deploy` once; its run directory keeps one")
+    try:
+        return Rendered.model_validate_json(text)
+    except ValidationError as exc:
+        raise StateError(f"the render snapshot {snap} of release {rec.release} is damaged "
+                         f"({exc.error_count()} error(s))", hint="converge with `kimictl deploy` once") from None
+
+
+def run_topology(rec: ReleaseRecord) -> Path | None:
+    """The effective topology a rollout wrote into the run directory of this release, if any."""
+    path = Path(rec.run_dir or "") / "topology.yml"
+    return path if rec.run_dir and path.exists() else None
+
+
+# --- caches and reports ------------------------------------------------------------------------------------
+
+
+def read_manifest_cache(cluster: str) -> str | None:
+    """The cached weights manifest (JSON text), or None when none is cached."""
+    return _read_text(control_dir(cluster) / MANIFEST_CACHE)
+
+
+def write_manifest_cache(cluster: str, manifest_json: str) -> None:
+    _write_atomic(control_dir(cluster) / MANIFEST_CACHE, manifest_json)
+
+
+def cached_manifest_bytes(cluster: str) -> tuple[int | None, bool]:
+    """Total checkpoint bytes from the cached manifest (exact), or (None, False) when none is cached or the
+    cache is damaged (the caller falls back to the hub's listing or the model facts)."""
+    try:
+        files = json.loads(read_manifest_cache(cluster) or "null")["files"]
+        return sum(int(f["size"]) for f in files), True
+    except (StateError, ValueError, KeyError, TypeError):
+        return None, False
+
+
+def save_preflight(cluster: str, report: dict) -> None:
+    """The last preflight report (for `logs --bundle`)."""
+    _write_atomic(control_dir(cluster) / PREFLIGHT, json.dumps(report, indent=1) + "\n")
+
+
+def bundle_files(cluster: str) -> dict[str, str]:
+    """The records a diagnostics bundle carries as they are on disk (damaged ones too: they may be the cause):
+    history, current, the last preflight, the weights manifest and the newest deploy run's plan.json."""
+    base = control_dir(cluster)
+    out: dict[str, str] = {}
+    for name in (RELEASES, CURRENT, PREFLIGHT, MANIFEST_CACHE):
+        p = base / name
+        if p.is_file():
+            out[name] = p.read_text(errors="replace")
+    runs = sorted((d for d in (base / "runs").glob("*") if (d / "plan.json").is_file()),
+                  key=lambda d: d.name) if (base / "runs").is_dir() else []
+    if runs:
+        out["plan.json"] = (runs[-1] / "plan.json").read_text(errors="replace")
+        out["plan-run.txt"] = f"{runs[-1]}\n"
+    return out

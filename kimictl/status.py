@@ -10,10 +10,11 @@ from typing import Any
 from kimictl import ascend, health
 from kimictl.facts import engine_profile
 from kimictl.inventory import Inventory
+from kimictl.observe_up import monitoring_status
 from kimictl.render import PROXY_FRONT_STATE
-from kimictl.secret_file import proxy_api_key
+from kimictl.secret_file import proxy_admin_key, proxy_api_key
 from kimictl.ssh import Sessions, SSHError
-from kimictl.state import control_dir
+from kimictl.state import current as recorded_release
 
 STATUS_SCHEMA_VERSION = 1
 _SUPERVISOR_TO_STATE = {"starting": "starting", "backoff": "failed", "failed": "failed", "stopping": "stopped",
@@ -58,11 +59,10 @@ def _engine_metrics(ip: str, port: int) -> dict[str, Any]:
 
 
 def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool = True) -> dict[str, Any]:
-    """The CONTRACT `status --output json` document (schema_version 1)."""
+    """The `status --output json` document of docs/contract.md (schema_version 1)."""
+    record = recorded_release(inv.cluster.name)  # a damaged record: exit 2 before any host is contacted
     probes = _probe(inv, timeout)
     api_key = proxy_api_key(inv)
-    record_path = control_dir(inv.cluster.name) / "current.json"
-    record = json.loads(record_path.read_text()) if record_path.exists() else None
     engines: list[dict[str, Any]] = []
     proxy: dict[str, Any] | None = None
     drift: list[dict[str, Any]] = []
@@ -74,8 +74,8 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
                             "detail": str(got)})
             continue
         man = got["manifest"]
-        if record and man and record["hosts"].get(h.name) != man.get("release"):
-            drift.append({"host": h.name, "recorded": record["hosts"].get(h.name), "current": man.get("release")})
+        if record and man and record.hosts.get(h.name) != man.get("release"):
+            drift.append({"host": h.name, "recorded": record.hosts.get(h.name), "current": man.get("release")})
         if not man:
             continue
         served = served or man.get("served_model_name")
@@ -96,7 +96,7 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
         if man.get("proxy"):
             sup = got["supervised"].get("proxy")
             proxy = {"host": h.name, "ip": h.ip, "port": man["proxy"]["port"],
-                     "routers": int(man["proxy"].get("routers", 0)),
+                     "routers": int(man["proxy"].get("routers", 0)), "admin_key": bool(man["proxy"].get("admin_key")),
                      "state": "stopped" if sup is None else _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")}
             stale = _stale_engine_ids((got.get("front") or {}).get("watch"))
             if stale:
@@ -128,7 +128,9 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
         wait = engine_profile(inv.cluster.kimi_engine_profile).probe_timeout_s or 30.0
         pairs.append(_pair_probe(engines, proxy, served or "", api_key, wait))
     if proxy and proxy["state"] == "ready":
-        proxy["membership"] = _membership(engines, proxy, api_key)
+        # The routers' own API takes kimictl's admin key (a front made before it had one took the client key).
+        admin = proxy_admin_key(inv.cluster.name) if proxy["admin_key"] else api_key
+        proxy["membership"] = _membership(engines, proxy, admin)
 
     states = [r["state"] for r in engines] + ([proxy["state"]] if proxy else [])
     members_ok = not proxy or all(not m.get("missing") and "error" not in m for m in proxy.get("membership", []))
@@ -141,10 +143,12 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
         state = "degraded"
     if proxy:
         proxy.pop("serves_http", None)
+        proxy.pop("admin_key", None)
     return {"schema_version": STATUS_SCHEMA_VERSION, "cluster": inv.cluster.name, "state": state,
             "served_model_name": served,
-            "release": record["release"] if record else None, "engines": engines, "proxy": proxy,
-            "pairs": pairs, "drift": drift, "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "release": record.release if record else None, "engines": engines, "proxy": proxy,
+            "pairs": pairs, "drift": drift, "monitoring": monitoring_status(inv.cluster.name),
+            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _stale_engine_ids(watch: dict[str, Any] | None) -> str | None:
@@ -194,4 +198,4 @@ def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: st
                             timeout=timeout, api_key=api_key)
     return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec],
             "state": "ok" if probe.ok else "failed",
-            "detail": probe.detail + ("" if probe.code == 200 else f": {str(probe.body)[:200]}")}
+            "detail": probe.detail + ("" if probe.code == 200 else f": {health.body_text(probe.body)}")}

@@ -74,7 +74,20 @@ class Ports(_Strict):
                                 description="first kv_port; default the hardware minimum (A2 28000, A3 36000)")
 
 
-class Proxy(_Strict):
+class FrontLimits(_Strict):
+    """What kimictl's proxy front allows its clients (docs/operate.md: the proxy front's limits); proxy keys."""
+
+    max_connections: int = Field(1024, ge=16, le=65536, description="client connections served at once; one more "
+                                 "waits up to 2 s for a slot (an idle keep-alive connection gives its own), then 503")
+    max_body_mib: int = Field(256, ge=1, le=4096, description="request body limit in MiB (413 over it)")
+    header_timeout_s: int = Field(10, ge=1, le=300, description="seconds for a request head from its first byte (408)")
+    io_timeout_s: int = Field(30, ge=1, le=3600, description="seconds without a byte of a request body (408), or "
+                                                             "without the client taking a byte of its response")
+    idle_timeout_s: int = Field(75, ge=1, le=3600, description="seconds a keep-alive connection may wait for its "
+                                                               "next request")
+
+
+class Proxy(FrontLimits):
     router: Literal["vllm-router"] = "vllm-router"
     port: int = Field(8000, ge=1024, le=65535)
     policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"
@@ -113,6 +126,14 @@ class Speculative(_Strict):
     num_speculative_tokens: dict[RoleName, int]
 
 
+class Slo(_Strict):
+    """Serving targets the monitoring alerts against (unset fields: kimictl/data/observe.yml's slo)."""
+
+    tpot_ms: float | None = Field(None, gt=0, description="time per output token target, ms, at the quantile")
+    ttft_ms: float | None = Field(None, gt=0, description="time to first token target, ms, at the quantile")
+    quantile: float | None = Field(None, gt=0, lt=1, description="the quantile the targets hold for, e.g. 0.9")
+
+
 class Topology(_Strict):
     """A deployment shape: which roles exist, how big each instance is, and how engines are tuned."""
 
@@ -130,6 +151,7 @@ class Topology(_Strict):
     serve: ServeMap = Field(default_factory=dict)
     roles: dict[RoleName, Role]
     speculative: Speculative | None = None
+    slo: Slo | None = Field(None, description="serving targets for `kimictl observe` alerts")
     source: str = Field("", exclude=True)
 
     @field_validator("hardware")

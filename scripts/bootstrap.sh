@@ -15,6 +15,21 @@ if [ "${#need_pkgs[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/de
   apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_pkgs[@]}" >/dev/null
 fi
 
+# Prometheus (with promtool, for the rule tests) and node_exporter: `kimictl observe up` runs them on the sandbox
+# hosts, which see this machine's /usr/bin. ~23 MB download, ~115 MB installed without recommends. Their services
+# stay off: the package would start them on this machine's ports.
+obs_pkgs=()
+command -v promtool >/dev/null 2>&1 || obs_pkgs+=(prometheus)
+command -v prometheus-node-exporter >/dev/null 2>&1 || obs_pkgs+=(prometheus-node-exporter)
+if [ "${#obs_pkgs[@]}" -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "bootstrap: installing ${obs_pkgs[*]}" >&2
+  apt-get update -qq >/dev/null
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${obs_pkgs[@]}" >/dev/null
+  if [ -d /run/systemd/system ] && command -v systemctl >/dev/null; then
+    systemctl disable --now prometheus prometheus-node-exporter >/dev/null 2>&1 || true
+  fi
+fi
+
 if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
   echo "bootstrap: kimictl needs Python >= 3.11 ($PY is $("$PY" -V 2>&1))" >&2
   exit 2

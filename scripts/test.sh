@@ -18,4 +18,20 @@ else
   echo "test.sh: real-engine lane unavailable, skipping its tests" >&2
   markers="${markers:+$markers and }not real_engine"
 fi
-exec .venv/bin/python -m pytest -q ${markers:+-m "$markers"} "$@"
+rc=0
+.venv/bin/python -m pytest -q ${markers:+-m "$markers"} "$@" || rc=$?
+
+# Host-side code runs on the hosts' own python3, down to the host Python floor (kimictl.HOST_PYTHON_FLOOR): its
+# tests run again with that interpreter starting the host code (KIMICTL_HOST_PYTHON).
+host_tests=(tests/unit/test_supervisor.py tests/unit/test_proxy_front.py tests/unit/test_weights_agent.py
+            tests/unit/test_engine_sim.py tests/unit/test_doubles.py)
+floor=$(.venv/bin/python -c 'from kimictl.sandbox.system import floor_python; print(floor_python() or "")')
+if [ -n "$floor" ]; then
+  echo "test.sh: host-side tests with $floor ($("$floor" -V 2>&1))" >&2
+  KIMICTL_HOST_PYTHON="$floor" .venv/bin/python -m pytest -q -n 2 "${host_tests[@]}" || rc=$?
+else
+  floor_version=$(.venv/bin/python -c 'import kimictl; print(*kimictl.HOST_PYTHON_FLOOR, sep=".")')
+  echo "test.sh: WARNING: no Python $floor_version here (python$floor_version on PATH, \$PYENV_ROOT or" \
+       "/root/.pyenv/versions/$floor_version.*): host-side code was NOT tested on the hosts' Python floor" >&2
+fi
+exit "$rc"

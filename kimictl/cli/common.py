@@ -13,7 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from kimictl.errors import KimictlError
+from kimictl.errors import InvalidInput, KimictlError
 
 
 class Output(str, Enum):
@@ -28,6 +28,18 @@ TopologyOpt = Annotated[
     str, typer.Option("--topology", "-t", help="Preset name (`kimictl topologies`) or path to a topology YAML.")
 ]
 OutputOpt = Annotated[Output, typer.Option("--output", "-o", help="text (tables) or json (one document on stdout).")]
+# Options several commands share: one definition each, so the name, short form and help never drift apart.
+HostKeysOpt = Annotated[bool, typer.Option(
+    "--accept-new-host-keys", help="Trust SSH host keys not yet in known_hosts (first contact); default: strict.")]
+LimitOpt = Annotated[list[str] | None, typer.Option("--limit", metavar="HOST", help="Only these hosts (repeatable).")]
+YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (required without a "
+                                                          "terminal).")]
+ReadyTimeoutOpt = Annotated[float | None, typer.Option(
+    "--ready-timeout", help="Seconds to wait for engines to load (default: sized to the checkpoint).")]
+TokenFileOpt = Annotated[Path | None, typer.Option(
+    "--token-file", help="Hub token file (mode 0600). Default: MODELSCOPE_API_TOKEN / HF_TOKEN from the environment.")]
+SkipPreflightOpt = Annotated[str | None, typer.Option("--skip-preflight", metavar="REASON",
+                                                      help="Skip preflight; the reason is printed.")]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -43,6 +55,33 @@ def stdout_console():
     from rich.console import Console
 
     return Console(soft_wrap=True)
+
+
+def confirm_or_yes(question: str, yes: bool) -> None:
+    """The one rule for commands that start, stop or replace what serves on hosts: --yes goes ahead; on a terminal
+    the user is asked; without a terminal (CI, scripts, pipes) the command refuses before changing anything."""
+    if yes:
+        return
+    if sys.stdin.isatty() and sys.stderr.isatty():
+        typer.confirm(question, abort=True, err=True)
+        return
+    raise InvalidInput(f"no terminal to confirm on: {question[0].lower()}{question[1:].rstrip('?')} needs --yes; "
+                       "nothing was changed", hint="add --yes to run it unattended (CI, scripts)")
+
+
+def reporters(verb: str, events: tuple[str, ...] = ("changed", "failed", "unreachable")):
+    """(say, on_event) printing a command's progress and its playbook task results on stderr."""
+    err = stderr_console()
+    styles = {"changed": "yellow", "failed": "bold red", "unreachable": "bold red"}
+
+    def say(msg: str) -> None:
+        err.print(f"[cyan]{verb}[/] {msg}", highlight=False)
+
+    def on_event(host: str, task: str, status: str) -> None:
+        if status in events:
+            err.print(f"  [{styles[status]}]{status:>11}[/] {host}: {task}", highlight=False)
+
+    return say, on_event
 
 
 def emit_json(doc: Any) -> None:

@@ -2,73 +2,62 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
+from kimictl.cli import common
 from kimictl.cli.common import (
+    HostKeysOpt,
     InventoryOpt,
+    LimitOpt,
     Output,
     OutputOpt,
+    ReadyTimeoutOpt,
+    SkipPreflightOpt,
+    TokenFileOpt,
     TopologyOpt,
-    emit_json,
-    handle_errors,
-    stderr_console,
+    YesOpt,
 )
 
 
-@handle_errors
+@common.handle_errors
 def deploy(
     inventory: InventoryOpt,
     topology: TopologyOpt,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    yes: YesOpt = False,
     check: Annotated[bool, typer.Option("--check", help="Show what would change; change nothing.")] = False,
     diff: Annotated[bool, typer.Option("--diff", help="With --check: show file diffs of changed engines.")] = False,
-    limit: Annotated[list[str] | None, typer.Option("--limit", help="Only these hosts (repeatable).")] = None,
-    skip_preflight: Annotated[str | None, typer.Option("--skip-preflight", metavar="REASON",
-                                                       help="Skip preflight; the reason is printed.")] = None,
+    limit: LimitOpt = None,
+    skip_preflight: SkipPreflightOpt = None,
     skip_weights: Annotated[bool, typer.Option("--skip-weights", help="Do not stage weights.")] = False,
-    token_file: Annotated[Path | None, typer.Option("--token-file", help="Hub token file (mode 0600); default "
-                                                    "MODELSCOPE_API_TOKEN / HF_TOKEN.")] = None,
-    ready_timeout: Annotated[float | None, typer.Option("--ready-timeout",
-                                                        help="Seconds to wait for engines to load.")] = None,
-    accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys")] = False,
+    token_file: TokenFileOpt = None,
+    ready_timeout: ReadyTimeoutOpt = None,
+    accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
     """Converge the hosts to the plan and start prefill/decode engines and the P/D proxy."""
-    from kimictl.deploy import Deployer, DeployOptions, change_diffs
+    from kimictl.deploy import Deployer, DeployOptions, change_diffs, smoke_text
     from kimictl.pipeline import prepare
     from kimictl.render import render
     from kimictl.weights.stage import read_token
 
-    err = stderr_console()
+    err = common.stderr_console()
     p = prepare(inventory, topology)
     p.inventory.limited(limit)  # unknown --limit hosts: exit 2 before anything runs
     rendered = render(p.plan, p.inventory, p.topology)
     if skip_preflight is not None:
         err.print(f"[yellow]preflight skipped: {skip_preflight}[/]")
     token = None if skip_weights else read_token(p.inventory.cluster.kimi_model_source, token_file)
-    interactive = sys.stdin.isatty() and sys.stderr.isatty()
-    if not check and not yes and interactive:
-        typer.confirm(f"Deploy {p.plan.topology} to {len(p.inventory.hosts)} host(s) of {p.plan.cluster}?",
-                      abort=True, err=True)
-
-    def say(msg: str) -> None:
-        err.print(f"[cyan]deploy[/] {msg}", highlight=False)
-
-    def on_event(host: str, task: str, status: str) -> None:
-        if status in ("changed", "failed", "unreachable"):
-            style = {"changed": "yellow", "failed": "bold red", "unreachable": "bold red"}[status]
-            err.print(f"  [{style}]{status:>11}[/] {host}: {task}", highlight=False)
-
+    if not check:
+        common.confirm_or_yes(f"Deploy {p.plan.topology} to {len(p.inventory.hosts)} host(s) of {p.plan.cluster}?", yes)
+    say, on_event = common.reporters("deploy")
     opts = DeployOptions(check=check, skip_preflight=skip_preflight, limit=limit, ready_timeout=ready_timeout,
                          accept_new_host_keys=accept_new_host_keys, skip_weights=skip_weights, hub_token=token)
     result = Deployer(p.inventory, p.plan, rendered, opts, say, on_event).run()
     diffs = change_diffs(p.inventory, rendered, result.changes) if check and diff else {}
     if output == Output.json:
-        emit_json({**result.to_json(), "diffs": diffs})
+        common.emit_json({**result.to_json(), "diffs": diffs})
         return
     todo = [c for c in result.changes if c.action != "keep"]
     if result.result == "check":
@@ -80,32 +69,35 @@ def deploy(
     elif result.result == "no-changes":
         typer.echo(f"no changes: release {result.release} is running on every host")
     else:
-        typer.echo(f"deployed release {result.release}: {len(todo)} change(s); smoke {result.smoke}")
+        typer.echo(f"deployed release {result.release}: {len(todo)} change(s); smoke: {smoke_text(result.smoke)}")
         typer.echo(f"run directory: {result.run_dir}")
 
 
-@handle_errors
+@common.handle_errors
 def rollback(
     inventory: InventoryOpt,
     to: Annotated[str | None, typer.Option("--to", help="Release id (prefix) to return to; default the "
                                                          "previous deployed release.")] = None,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
-    skip_preflight: Annotated[str | None, typer.Option("--skip-preflight", metavar="REASON")] = None,
+    yes: YesOpt = False,
+    skip_preflight: SkipPreflightOpt = None,
+    ready_timeout: ReadyTimeoutOpt = None,
+    accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
     """Return the whole cluster to the previous release (or --to RELEASE), with the deploy's gates."""
     from kimictl.deploy import Deployer, DeployOptions, rollback_target
     from kimictl.inventory import load_inventory
 
-    err = stderr_console()
     inv = load_inventory(inventory)
     target, rendered = rollback_target(inv.cluster.name, to)
-    if not yes and sys.stdin.isatty() and sys.stderr.isatty():
-        typer.confirm(f"Roll {inv.cluster.name} back to release {target['release']} ({target['at']})?",
-                      abort=True, err=True)
-    result = Deployer(inv, rendered.plan, rendered, DeployOptions(skip_preflight=skip_preflight),
-                      lambda m: err.print(f"[cyan]rollback[/] {m}", highlight=False)).run()
+    if skip_preflight is not None:
+        common.stderr_console().print(f"[yellow]preflight skipped: {skip_preflight}[/]")
+    common.confirm_or_yes(f"Roll {inv.cluster.name} back to release {target.release} ({target.at})?", yes)
+    say, on_event = common.reporters("rollback")
+    opts = DeployOptions(skip_preflight=skip_preflight, ready_timeout=ready_timeout,
+                         accept_new_host_keys=accept_new_host_keys)
+    result = Deployer(inv, rendered.plan, rendered, opts, say, on_event).run()
     if output == Output.json:
-        emit_json(result.to_json())
+        common.emit_json(result.to_json())
     else:
         typer.echo(f"rolled back to release {result.release} ({result.result})")

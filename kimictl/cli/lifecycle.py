@@ -2,36 +2,17 @@
 
 from __future__ import annotations
 
-import sys
-from typing import Annotated
-
 import typer
 
-from kimictl.cli.common import InventoryOpt, Output, OutputOpt, emit_json, handle_errors, stderr_console
-
-LimitOpt = Annotated[list[str] | None, typer.Option("--limit", help="Only these hosts (repeatable).")]
-HostKeysOpt = Annotated[bool, typer.Option("--accept-new-host-keys")]
+from kimictl.cli import common
+from kimictl.cli.common import HostKeysOpt, InventoryOpt, LimitOpt, Output, OutputOpt, ReadyTimeoutOpt, YesOpt
 
 
-def _reporters(verb: str):
-    err = stderr_console()
-
-    def say(msg: str) -> None:
-        err.print(f"[cyan]{verb}[/] {msg}", highlight=False)
-
-    def on_event(host: str, task: str, status: str) -> None:
-        if status in ("changed", "failed", "unreachable"):
-            style = {"changed": "yellow", "failed": "bold red", "unreachable": "bold red"}[status]
-            err.print(f"  [{style}]{status:>11}[/] {host}: {task}", highlight=False)
-
-    return say, on_event
-
-
-@handle_errors
+@common.handle_errors
 def stop(
     inventory: InventoryOpt,
     limit: LimitOpt = None,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    yes: YesOpt = False,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -40,13 +21,11 @@ def stop(
     from kimictl.inventory import load_inventory
 
     inv = load_inventory(inventory).limited(limit)
-    if not yes and sys.stdin.isatty() and sys.stderr.isatty():
-        typer.confirm(f"Stop every engine and the proxy on {len(inv.hosts)} host(s) of {inv.cluster.name}?",
-                      abort=True, err=True)
-    say, on_event = _reporters("stop")
+    common.confirm_or_yes(f"Stop every engine and the proxy on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
+    say, on_event = common.reporters("stop")
     res = lifecycle.stop(inv, say=say, on_event=on_event, accept_new_host_keys=accept_new_host_keys)
     if output == Output.json:
-        emit_json(res.to_json())
+        common.emit_json(res.to_json())
         return
     n = sum(len(h["stopped"]) for h in res.hosts.values())
     typer.echo(f"stopped {n} process(es)" if n else "already stopped: nothing runs")
@@ -54,12 +33,12 @@ def stop(
         typer.echo(f"  {h}: stopped {', '.join(info['stopped']) or '-'}; current {info['current'] or '-'} kept")
 
 
-@handle_errors
+@common.handle_errors
 def start(
     inventory: InventoryOpt,
     limit: LimitOpt = None,
-    ready_timeout: Annotated[float | None, typer.Option("--ready-timeout",
-                                                        help="Seconds to wait for engines to load.")] = None,
+    yes: YesOpt = False,
+    ready_timeout: ReadyTimeoutOpt = None,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -68,11 +47,12 @@ def start(
     from kimictl.inventory import load_inventory
 
     inv = load_inventory(inventory).limited(limit)
-    say, on_event = _reporters("start")
+    common.confirm_or_yes(f"Start the current release on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
+    say, on_event = common.reporters("start")
     res = lifecycle.start(inv, say=say, on_event=on_event, ready_timeout=ready_timeout,
                           accept_new_host_keys=accept_new_host_keys)
     if output == Output.json:
-        emit_json(res.to_json())
+        common.emit_json(res.to_json())
         return
     n = sum(len(h["started"]) for h in res.hosts.values())
     typer.echo(f"started {n} process(es); all answer" if n else "already running: every process answers")

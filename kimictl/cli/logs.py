@@ -40,10 +40,11 @@ def logs(
     """Tail each engine's and the proxy's log, or collect everything into one redacted tarball."""
     from kimictl.inventory import load_inventory
     from kimictl.logs import Redactor, build_bundle, tail_logs
-    from kimictl.secret_file import proxy_api_key
+    from kimictl.secret_file import proxy_admin_key, proxy_api_key
 
     inv = load_inventory(inventory).limited(host)
-    redactor = Redactor.from_config(secrets_file=secrets_file, known=filter(None, [proxy_api_key(inv)]))
+    redactor = Redactor.from_config(secrets_file=secrets_file,
+                                    known=filter(None, [proxy_api_key(inv), proxy_admin_key(inv.cluster.name)]))
     err = stderr_console()
     if redactor.skipped_short:
         err.print(f"[yellow]{redactor.skipped_short} configured secret value(s) shorter than 4 characters are not "
@@ -58,8 +59,9 @@ def logs(
         if output == Output.json:
             emit_json(res.to_json())
         else:
+            kinds = ", ".join(f"{kind} {n}" for kind, n in sorted(res.redactions_by_kind.items()))
             typer.echo(f"wrote {res.path}: {res.files} files, {res.bytes} bytes (gzip), {res.redactions} "
-                       f"redaction(s)" + (f" {res.redactions_by_kind}" if res.redactions else ""))
+                       f"redaction(s)" + (f" ({kinds})" if res.redactions else ""))
             for h, e in failed.items():
                 typer.echo(f"  {h}: not collected: {e}")
         if failed:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from kimictl.cli import deploy, lifecycle, logs, preflight, sandbox, static, status, topology, weights
+from kimictl.cli import deploy, lifecycle, logs, observe, preflight, sandbox, static, status, topology, weights
 from kimictl.cli import rollout as rollout_cli
 
 app = typer.Typer(
@@ -12,7 +12,7 @@ app = typer.Typer(
     help="Deploy and operate Kimi K2.5 on Atlas 800 A2/A3 clusters with vLLM-Ascend, prefill/decode disaggregated.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
-    add_completion=False,
+    add_completion=True,
     rich_markup_mode=None,  # plain help: typer's rich help renderer costs ~130 ms per start
 )
 app.command()(static.topologies)
@@ -32,7 +32,8 @@ app.command()(lifecycle.start)
 app.add_typer(weights.app, name="weights")
 app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(topology.app, name="topology")
+app.add_typer(observe.app, name="observe")
 
 
 def main() -> None:
-    app()
+    app(prog_name="kimictl")  # also under `python -m kimictl`: usage and completion say kimictl

@@ -6,11 +6,9 @@ from typing import Annotated
 
 import typer
 
-from kimictl.cli.common import InventoryOpt, Output, OutputOpt, TopologyOpt, emit_json, handle_errors
+from kimictl.cli.common import HostKeysOpt, InventoryOpt, Output, OutputOpt, TopologyOpt, emit_json, handle_errors
 from kimictl.errors import EXIT_FAILED
 
-AcceptKeysOpt = Annotated[bool, typer.Option("--accept-new-host-keys",
-                                             help="Trust unknown SSH host keys (default: strict checking).")]
 SkipOpt = Annotated[list[str] | None, typer.Option("--skip-check", help="Check id to skip (repeatable).")]
 TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Per-host SSH/probe timeout in seconds.")]
 
@@ -39,7 +37,7 @@ def run_and_print(inventory, topology, output: Output, accept_new_host_keys: boo
 
 @handle_errors
 def preflight(inventory: InventoryOpt, topology: TopologyOpt, output: OutputOpt = Output.text,
-              accept_new_host_keys: AcceptKeysOpt = False, skip_check: SkipOpt = None,
+              accept_new_host_keys: HostKeysOpt = False, skip_check: SkipOpt = None,
               timeout: TimeoutOpt = 30.0) -> None:
     """Check every host over SSH against the plan: NPUs, versions, links, device ping mesh, disk, ports, clock."""
     run_and_print(inventory, topology, output, accept_new_host_keys, skip_check, timeout)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from kimictl.cli.common import InventoryOpt, Output, OutputOpt, emit_json, handle_errors, stderr_console
+from kimictl.cli import common
+from kimictl.cli.common import HostKeysOpt, InventoryOpt, Output, OutputOpt, ReadyTimeoutOpt, YesOpt
 
 
-@handle_errors
+@common.handle_errors
 def rollout(
     inventory: InventoryOpt,
     topology: Annotated[str | None, typer.Option(
@@ -24,7 +24,7 @@ def rollout(
     canary: Annotated[int, typer.Option("--canary", min=0, help="Slices rolled (and gated) first.")] = 1,
     serial: Annotated[int, typer.Option("--serial", min=1, help="Slices per batch after the canary.")] = 1,
     check: Annotated[bool, typer.Option("--check", help="Show slices, order and gates; change nothing.")] = False,
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+    yes: YesOpt = False,
     drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=1.0, help="Seconds to let a drained "
                                                  "slice's in-flight requests finish.")] = 300.0,
     drain_quiet: Annotated[float, typer.Option("--drain-quiet", min=0.0, help="Seconds a drained slice must stay "
@@ -38,35 +38,27 @@ def rollout(
     router: Annotated[list[str] | None, typer.Option(
         "--router", metavar="URL", help="Another router in front of the same engines (repeatable); it must add "
                                         "workers at runtime (vllm-router --enable-igw).")] = None,
-    ready_timeout: Annotated[float | None, typer.Option("--ready-timeout",
-                                                        help="Seconds to wait for engines to load.")] = None,
-    accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys")] = False,
+    ready_timeout: ReadyTimeoutOpt = None,
+    accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
     """Roll a change out slice by slice: canary first, each slice drained, restarted, gated, re-added."""
-    from kimictl.rollout import Rollout, RolloutOptions, prepare_rollout
+    from kimictl.rollout.run import Rollout, RolloutOptions, prepare_rollout
 
-    err = stderr_console()
     inv, record, old, new, topo, parsed = prepare_rollout(Path(inventory), topology, sets or [])
     opts = RolloutOptions(canary=canary, serial=serial, check=check, drain_timeout=drain_timeout,
                           drain_quiet=drain_quiet, ready_timeout=ready_timeout,
                           allow_proxy_restart=allow_proxy_restart, routers=router or [],
                           accept_new_host_keys=accept_new_host_keys)
 
-    def say(msg: str) -> None:
-        err.print(f"[cyan]rollout[/] {msg}", highlight=False)
-
-    def on_event(host: str, task: str, status: str) -> None:
-        if status in ("failed", "unreachable"):
-            err.print(f"  [bold red]{status:>11}[/] {host}: {task}", highlight=False)
-
+    say, on_event = common.reporters("rollout", events=("failed", "unreachable"))
     ro = Rollout(inv, record, old, new, topo, parsed, opts, say, on_event)
-    if not check and not yes and sys.stdin.isatty() and sys.stderr.isatty():
-        typer.confirm(f"Roll {', '.join(parsed_raw(parsed)) or topo.name} out to {inv.cluster.name} "
-                      f"(release {record.get('release')} -> {ro.release})?", abort=True, err=True)
+    if not check:
+        common.confirm_or_yes(f"Roll {', '.join(s.raw for s in parsed) or topo.name} out to {inv.cluster.name} "
+                       f"(release {record.release} -> {ro.release})?", yes)
     result = ro.run()
     if output == Output.json:
-        emit_json(result.to_json())
+        common.emit_json(result.to_json())
         return
     if result.result == "no-changes":
         typer.echo(f"no changes: release {result.previous_release} already runs on every slice")
@@ -89,6 +81,3 @@ def rollout(
     if result.run_dir:
         typer.echo(f"run directory: {result.run_dir}")
 
-
-def parsed_raw(parsed) -> list[str]:
-    return [s.raw for s in parsed]

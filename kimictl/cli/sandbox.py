@@ -92,6 +92,9 @@ def status(directory: DirOpt = DEFAULT_DIR, output: OutputOpt = Output.text) -> 
     else:
         typer.echo(f"sandbox '{doc['cluster']}' is {doc['state']}: {len(doc['hosts'])} x {doc['hardware']}, "
                    f"{doc['mode']} mode, {doc['dir']}")
+        py = doc.get("host_python")
+        typer.echo(f"  hosts' python3: {py['version']} ({py['path']})" if py else
+                   "  hosts' python3: this machine's (no interpreter of the host Python floor found here)")
         for h in doc["hosts"]:
             faults = f"  faults: {', '.join(h['faults'])}" if h["faults"] else ""
             typer.echo(f"  {h['name']:<10} {h['state']:<5} {h['ip']}:{h['port']}{faults}")

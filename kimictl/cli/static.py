@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from kimictl.cli.common import InventoryOpt, Output, OutputOpt, TopologyOpt, emit_json, handle_errors
+from kimictl.cli.common import HostKeysOpt, InventoryOpt, Output, OutputOpt, TopologyOpt, emit_json, handle_errors
 from kimictl.errors import EXIT_DEGRADED
 
 
@@ -34,7 +34,7 @@ def validate(
     topology: TopologyOpt,
     output: OutputOpt = Output.text,
     live: Annotated[bool, typer.Option("--live", help="Also run preflight over SSH on every host.")] = False,
-    accept_new_host_keys: Annotated[bool, typer.Option("--accept-new-host-keys")] = False,
+    accept_new_host_keys: HostKeysOpt = False,
 ) -> None:
     """Check the inventory schema, the topology and that the plan is feasible (exit 2 when not)."""
     from kimictl.pipeline import prepare

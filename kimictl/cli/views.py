@@ -172,4 +172,10 @@ def status_view(doc: dict) -> Group:
                           style="green" if pair["state"] == "ok" else "bold red"))
     for d in doc["drift"]:
         parts.append(Text(f"drift: {d['host']} runs {d['current']}, recorded {d['recorded']}", style="yellow"))
+    if mon := doc.get("monitoring"):
+        firing = mon["alerts_firing"]
+        parts.append(Text(f"monitoring: Prometheus {mon['prometheus_url']} on {mon['monitor_host']}: {mon['state']}"
+                          + (f", firing {', '.join(firing)}" if firing else ", no alert firing" if
+                             mon["state"] == "ready" else ""),
+                          style="green" if mon["state"] == "ready" and not firing else "yellow"))
     return Group(*parts)

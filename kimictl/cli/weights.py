@@ -9,13 +9,19 @@ from typing import Annotated
 
 import typer
 
-from kimictl.cli.common import InventoryOpt, Output, OutputOpt, emit_json, handle_errors, stderr_console
+from kimictl.cli.common import (
+    HostKeysOpt,
+    InventoryOpt,
+    LimitOpt,
+    Output,
+    OutputOpt,
+    TokenFileOpt,
+    emit_json,
+    handle_errors,
+    stderr_console,
+)
 
 app = typer.Typer(help="Stage and check the checkpoint on every host.", no_args_is_help=True, rich_markup_mode=None)
-
-TokenFileOpt = Annotated[Path | None, typer.Option("--token-file", help="Hub token file (mode 0600). Default: "
-                                                   "MODELSCOPE_API_TOKEN / HF_TOKEN from the environment.")]
-KeysOpt = Annotated[bool, typer.Option("--accept-new-host-keys", help="Trust host keys not in known_hosts.")]
 
 
 class CliReporter:
@@ -94,8 +100,21 @@ def _table(result) -> None:
             typer.echo(f"{h.host}: corrupt {p}" + (" (removed and fetched again)" if result.action == "pull" else ""))
         for p in h.missing[:10] if result.action != "status" else []:
             typer.echo(f"{h.host}: missing {p}")
+        if h.peer_key:
+            typer.echo(f"{h.host}: {_peer_key_text(h.peer_key)}")
     for w in result.warnings:
         typer.echo(f"warning: {w}")
+
+
+def _peer_key_text(key: dict) -> str:
+    expires = f"expires {key['expires']} host time" if key.get("expires") else "no expiry"
+    if key["state"] == "in use":
+        who = key.get("holder") or {}
+        return (f"the peer key of a running pull is installed ({expires}; pull by {who.get('user', '?')}@"
+                f"{who.get('host', '?')}, pid {who.get('pid', '?')})")
+    if key["state"] == "removed":
+        return f"removed the peer key an interrupted run left behind ({expires})"
+    return f"the peer key of an interrupted run is still installed ({expires}): {key.get('error', '')}"
 
 
 def _finish(result, output: Output) -> None:
@@ -120,8 +139,8 @@ def pull(
     streams: Annotated[int, typer.Option("--streams", help="Concurrent transfers per host, each way.")] = 4,
     full: Annotated[bool, typer.Option("--full", help="Re-hash files already verified (ignore stamps).")] = False,
     token_file: TokenFileOpt = None,
-    limit: Annotated[list[str] | None, typer.Option("--limit", help="Only these hosts (repeatable).")] = None,
-    accept_new_host_keys: KeysOpt = False,
+    limit: LimitOpt = None,
+    accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
     """Put a verified copy of the checkpoint in kimi_model_dir on every host; moves only missing bytes."""
@@ -162,8 +181,8 @@ def verify(
     inventory: InventoryOpt,
     full: Annotated[bool, typer.Option("--full", help="Re-hash every file, even unchanged ones.")] = False,
     token_file: TokenFileOpt = None,
-    limit: Annotated[list[str] | None, typer.Option("--limit", help="Only these hosts (repeatable).")] = None,
-    accept_new_host_keys: KeysOpt = False,
+    limit: LimitOpt = None,
+    accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
     """Check every file's hash on every host (unchanged files are trusted from their stamps unless --full)."""
@@ -175,8 +194,8 @@ def verify(
 def status(
     inventory: InventoryOpt,
     token_file: TokenFileOpt = None,
-    limit: Annotated[list[str] | None, typer.Option("--limit", help="Only these hosts (repeatable).")] = None,
-    accept_new_host_keys: KeysOpt = False,
+    limit: LimitOpt = None,
+    accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
     """What each host holds: complete marker, files present, unverified files (sizes only; reads no data)."""

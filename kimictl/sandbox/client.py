@@ -54,7 +54,7 @@ def router_command() -> str | None:
 
 def inventory(hosts: list[HostSpec], hardware: str, directory: Path, *, mode: str, cluster: str,
               model_dir: str = MODEL_DIR, engine_command: str = ENGINE_COMMAND, user: str = "root",
-              hub_url: str | None = None) -> dict:
+              hub_url: str | None = None, python: str = "/usr/bin/python3") -> dict:
     """The Ansible YAML inventory as a dict; the checkpoint comes from the sandbox's fake hub when it runs."""
     hub = {"kimi_model_source": "modelscope", "kimi_model_id": MODEL_ID, "kimi_model_endpoint": hub_url,
            **({"kimi_python": host_python("modelscope")} if host_python("modelscope") else {})}
@@ -67,7 +67,7 @@ def inventory(hosts: list[HostSpec], hardware: str, directory: Path, *, mode: st
         "kimi_engine_command": engine_command,
         **({"kimi_router_command": router_command()} if router_command() else {}),
         "ansible_user": user,
-        "ansible_python_interpreter": "/usr/bin/python3",
+        "ansible_python_interpreter": python,
         "ansible_ssh_private_key_file": str(directory / "id_ed25519"),
         "ansible_ssh_common_args": ssh_common_args(directory),
         # ansible puts its own ControlPath first on the ssh command line; keep those sockets in D too

@@ -91,6 +91,9 @@ class SandboxState(BaseModel):
     hub_url: str | None = None
     hub_pid: int | None = None
     hub_started: str | None = None
+    # what `python3` is on the hosts (/usr/local/bin/python3, first on PATH): the host Python floor's interpreter
+    # when this machine has one ({path, version, prefix}), else None (this machine's python3)
+    host_python: dict[str, str] | None = None
 
 
 @dataclass
@@ -214,7 +217,7 @@ class Sandbox:
         hosts = layout.plan_hosts(n, hardware, mode, slot, self.dir)
         state = SandboxState(
             status="creating", mode=mode, cluster=cluster, hardware=hardware, slot=slot, dir=str(self.dir),
-            created=time.time(),
+            created=time.time(), host_python=_floor_python_info(),
             hosts=[HostState(name=h.name, index=h.index, ip=h.ip, port=h.port, device_ips=h.device_ips,
                              netns=h.netns, state_dir=h.state_dir) for h in hosts])
         self.save(state)   # written first so `down` can find leftovers if we crash midway
@@ -300,7 +303,7 @@ class Sandbox:
 
     def _checkpoint(self, size: int, shards: int) -> Path:
         """A small Kimi-shaped W4A8 checkpoint, generated once per sandbox dir (deterministic)."""
-        from kimictl.weights.checkpoint import generate_checkpoint
+        from kimictl.sandbox.checkpoint import generate_checkpoint
 
         dest = self.dir / "checkpoint"
         stamp = self.dir / "checkpoint.json"
@@ -317,7 +320,7 @@ class Sandbox:
         url_file = self.dir / "hub.url"
         url_file.unlink(missing_ok=True)
         with open(url_file, "wb") as out, open(self.dir / "hub.log", "ab") as err:
-            proc = subprocess.Popen([sys.executable, "-m", "kimictl.weights.fakehub", "--repo",
+            proc = subprocess.Popen([sys.executable, "-m", "kimictl.sandbox.fakehub", "--repo",
                                      f"{client.MODEL_ID}={checkpoint}", "--host", ip, "--port", "0",
                                      "--log-file", str(self.dir / "hub.log")],
                                     stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
@@ -363,6 +366,7 @@ class Sandbox:
         else:
             Path(h.state_dir or h.dir / "state").mkdir(parents=True, exist_ok=True)
         _install_script(PKG_DIR / "doubles" / "npu_smi.py", usr_local / "bin" / "npu-smi")
+        _install_script(PKG_DIR / "doubles" / "npu_exporter.py", usr_local / "bin" / "npu-exporter")
         _install_hccn_tool(usr_local / "Ascend/driver/tools", f"{ascend_root}/driver/tools")
         _write(usr_local / "Ascend/driver/version.info", layout.driver_version_info())
         _write(usr_local / "Ascend/firmware/version.info", layout.firmware_version_info())
@@ -377,11 +381,13 @@ class Sandbox:
         _write(etc / "hccn.conf", layout.hccn_conf(h.device_ips))
         if netns:
             self._install_engine(roots["/opt"] / "kimi-sim/bin/vllm", warn=h.index == 1)
+        if state.host_python:   # `python3` (PATH: /usr/local/bin comes first) is the host Python floor's
+            (usr_local / "bin" / "python3").symlink_to(state.host_python["path"])
         env = {} if netns else {"KIMI_SIM_DIR": str(sim),
                                 "PATH": f"{usr_local / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
                                         "/sbin:/bin"}
         _write(h.dir / "sshd_config", sshd_config(h, self.dir, env))
-        _write(h.dir / "boot.sh", boot_script(h, self.dir, state.mode), 0o755)
+        _write(h.dir / "boot.sh", boot_script(h, self.dir, state.mode, state.host_python), 0o755)
 
     def _install_engine(self, dst: Path, *, warn: bool) -> None:
         engine = PKG_DIR / "engine_sim.py"
@@ -439,9 +445,11 @@ class Sandbox:
             # loopback hosts share one filesystem: keep everything inside the sandbox dir
             model_dir = str(self.dir / "shared/models/Kimi-K2.5-W4A8")
             engine = str(self.dir / "bin" / "vllm")
+        # Ansible runs its modules on the hosts' python3 too (netns: it is at /usr/local/bin/python3 on every host)
+        python = "/usr/local/bin/python3" if state.host_python and state.mode == "netns" else "/usr/bin/python3"
         inv = client.inventory(hosts, state.hardware, self.dir, mode=state.mode, cluster=state.cluster,
                                model_dir=model_dir, engine_command=engine, user=_login_user(),
-                               hub_url=state.hub_url)
+                               hub_url=state.hub_url, python=python)
         _write(self.dir / "inventory.yml", client.inventory_yaml(inv))
 
     def _wait_ready(self, state: SandboxState, hosts: list[HostSpec]) -> None:
@@ -517,7 +525,7 @@ class Sandbox:
             if p == os.getpid() or not argv or not system.alive(p):
                 continue
             prog = Path(argv[0]).name
-            if "kimictl.weights.fakehub" in argv and any(a.endswith(hub_repo) for a in argv):
+            if "kimictl.sandbox.fakehub" in argv and any(a.endswith(hub_repo) for a in argv):
                 found.append((p, "fake hub", argv))
                 continue
             if not any(marker in a for a in argv):
@@ -622,6 +630,7 @@ class Sandbox:
                    "up" if ups == len(hosts) else "down" if ups == 0 else "degraded")
         return {"schema_version": 1, "dir": str(self.dir), "state": overall, "mode": state.mode,
                 "cluster": state.cluster, "hardware": state.hardware, "slot": state.slot,
+                "host_python": state.host_python,   # None: the hosts run this machine's python3
                 "inventory": str(self.dir / "inventory.yml"), "ssh_config": str(self.dir / "ssh_config"),
                 "hosts": hosts, "faults": list(state.faults),
                 "hub": {"url": state.hub_url, "state": "up" if system.alive(state.hub_pid, state.hub_started)
@@ -863,6 +872,16 @@ def _create_exclusive(path: Path) -> int:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
 
+def _floor_python_info() -> dict[str, str] | None:
+    """{path, version, prefix} of this machine's host-Python-floor interpreter (system.floor_python), or None."""
+    path = system.floor_python()
+    if path is None:
+        return None
+    out = system.run([path, "-I", "-S", "-c", "import sys; print(sys.version.split()[0]); print(sys.prefix)"]).stdout
+    version, prefix = out.split()
+    return {"path": path, "version": version, "prefix": prefix}
+
+
 def _login_user() -> str:
     """root normally; a non-root loopback sandbox can only log its own user in."""
     return "root" if os.geteuid() == 0 else getpass.getuser()
@@ -910,8 +929,12 @@ def sshd_config(h: HostSpec, directory: Path, env: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def boot_script(h: HostSpec, directory: Path, mode: str) -> str:
-    """The host's PID 1 until it execs sshd: hostname, private mounts, then sshd in the foreground."""
+def boot_script(h: HostSpec, directory: Path, mode: str, host_python: dict[str, str] | None = None) -> str:
+    """The host's PID 1 until it execs sshd: hostname, private mounts, then sshd in the foreground.
+
+    host_python (netns mode): an install under /root (pyenv's) is carried, read-only, past the host's fresh /root
+    to the same path (its libpython is found there).
+    """
     lines = ["#!/bin/sh", "set -e"]
     if mode == "netns":
         lines += [f"hostname {h.name}",
@@ -920,11 +943,23 @@ def boot_script(h: HostSpec, directory: Path, mode: str) -> str:
         for d in PRIVATE_DIRS:
             ovl = h.dir / "ovl" / d.strip("/").replace("/", "_")
             lines.append(f"mount -t overlay overlay -o 'lowerdir={d},upperdir={ovl}/upper,workdir={ovl}/work' {d}")
+        prefix = (host_python or {}).get("prefix", "")
+        carry = prefix.startswith("/root/")
+        if carry:
+            lines += ["mkdir -p /run/kimi-python", f"mount --bind '{prefix}' /run/kimi-python",
+                      "mount -o remount,bind,ro /run/kimi-python"]
         lines += ["mount -t tmpfs -o mode=700,size=256m tmpfs /root",
                   f"mount --bind '{directory / 'etc_hosts'}' /etc/hosts",
                   f"mount --bind '{h.sim_dir}' {layout.SIM_DIR}"]
+        if carry:
+            lines += [f"mkdir -p '{prefix}'", f"mount --move /run/kimi-python '{prefix}'"]
     else:
         lines.append(f"mkdir -p '{h.state_dir}'")
+    # the site's NPU-Exporter (a double reading the host state), on its default port like a real Atlas host's
+    exporter = "/usr/local/bin/npu-exporter" if mode == "netns" else \
+        f"KIMI_SIM_DIR='{h.sim_dir}' '{h.root / 'usr/local/bin/npu-exporter'}'"
+    lines.append(f"{exporter} -ip={h.ip} -port={layout.NPU_EXPORTER_PORT} -enableHTTP=true "
+                 f">>'{h.dir / 'npu-exporter.log'}' 2>&1 </dev/null &")
     lines += [f"/usr/sbin/sshd -t -f '{h.dir / 'sshd_config'}'",
               f"exec /usr/sbin/sshd -D -e -f '{h.dir / 'sshd_config'}'"]
     return "\n".join(lines) + "\n"

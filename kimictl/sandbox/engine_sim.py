@@ -28,7 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-# The versions this simulator impersonates (vllm-ascend.md §1: v0.23.0.post1 pairs with vLLM v0.23.0).
+# The versions this simulator impersonates (v0.23.0.post1 pairs with vLLM v0.23.0:
+# https://github.com/vllm-project/vllm-ascend/blob/releases/v0.23.0/docs/source/community/versioning_policy.md).
 VLLM_VERSION = "0.23.0"
 VLLM_ASCEND_VERSION = "0.23.0.post1"
 OWNED_BY = "kimictl-engine-sim"
@@ -195,7 +196,8 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------------------------------
-# Configuration rules vLLM / vLLM-Ascend enforce at startup (vllm-ascend.md §3.6, §3.7).
+# Configuration rules vLLM / vLLM-Ascend enforce at startup (vllm_ascend/ascend_config.py and the Mooncake
+# connector's checks: https://github.com/vllm-project/vllm-ascend/blob/releases/v0.23.0).
 # --------------------------------------------------------------------------------------------------
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -489,17 +491,14 @@ def parse_visible_devices(env: dict[str, str], npus: int, needed: int) -> list[i
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+    """The process exists and is not a zombie (a zombie holds no NPU memory); /proc answers for any user."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
     except (OSError, IndexError):
         return True
-    return state != "Z"  # a zombie holds no NPU memory
+    return state != "Z"
 
 
 def _claim_holder(path: Path) -> int | None:
@@ -680,74 +679,12 @@ def plan_memory(cfg: EngineConfig, model: ModelInfo, host: dict[str, Any], max_m
 # Prometheus exposition (vLLM's names and buckets).
 # --------------------------------------------------------------------------------------------------
 
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+               960.0, 1920.0, 7680.0)
 FINISH_REASONS = ("stop", "length", "abort")
 # vLLM's vllm:prompt_tokens_by_source sources (vllm/v1/metrics/stats.py PromptTokenStats.ALL_SOURCES).
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -755,7 +692,7 @@ PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 def _label_str(names: tuple[str, ...], values: tuple[str, ...], extra: str = "") -> str:
     parts = []
-    for name, value in zip(names, values, strict=True):
+    for name, value in zip(names, values):
         escaped = str(value).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
         parts.append(f'{name}="{escaped}"')
     if extra:
@@ -810,7 +747,7 @@ class Metric:
                     continue
                 counts, total, count = value
                 running = 0
-                for bound, n in zip(self.buckets, counts, strict=True):
+                for bound, n in zip(self.buckets, counts):
                     running += n
                     le = 'le="' + repr(float(bound)) + '"'
                     lines.append(f"{self.name}_bucket{_label_str(self.labels, key, le)} {float(running)!r}")
@@ -871,6 +808,13 @@ class Metrics:
             "vllm:inter_token_latency_seconds",
             "histogram",
             "Histogram of inter-token latency in seconds.",
+            b,
+            ITL_BUCKETS,
+        )
+        self.req_tpot = m(
+            "vllm:request_time_per_output_token_seconds",
+            "histogram",
+            "Histogram of time_per_output_token_seconds per request.",
             b,
             ITL_BUCKETS,
         )
@@ -936,7 +880,12 @@ class Metrics:
             "Simulated engine identity (always 1).",
             (*b, "role", "kv_role", "engine_id", "devices", "hardware", "vllm_ascend_version"),
         )
+        # prometheus_client's process collector in a single-API-server vLLM: restarts show as a new start time.
+        self.process_start = m("process_start_time_seconds", "gauge",
+                               "Start time of the process since unix epoch in seconds.", ())
+        self.process_start.set((), time.time())
         self.families = [
+            self.process_start,
             self.running,
             self.waiting,
             self.kv_usage,
@@ -949,6 +898,7 @@ class Metrics:
             self.ext_hits,
             self.ttft,
             self.itl,
+            self.req_tpot,
             self.e2e,
             self.kv_held,
             self.kv_sent_reqs,
@@ -1197,7 +1147,7 @@ class Simulator:
             else:
                 self.stop.wait(len(req.prompt_ids) / self.prefill_tps)
             pieces, reason = plan_output(req.prompt_ids, req.max_tokens, req.min_tokens, req.ignore_eos)
-            last = time.monotonic()
+            first = last = time.monotonic()
             self.metrics.ttft.observe(labels, last - started)
             for i, piece in enumerate(pieces):
                 if i:
@@ -1206,6 +1156,8 @@ class Simulator:
                     self.metrics.itl.observe(labels, now - last)
                     last = now
                 emit(piece)
+            if len(pieces) > 1:
+                self.metrics.req_tpot.observe(labels, (last - first) / (len(pieces) - 1))
             kv_out = None
             if req.mode == "remote_decode":
                 kv_out = self._hold_kv(core, req, blocks, pieces)
@@ -1236,7 +1188,8 @@ class Simulator:
         with core.cond:
             core.kv_store[req.request_id] = KvEntry(req.request_id, req.prompt_ids, blocks, time.monotonic())
             self._update_gauges(core)
-        # Field set of vllm-ascend MooncakeConnector.request_finished (vllm-ascend.md §5.1 step 4).
+        # Field set of vllm-ascend MooncakeConnector.request_finished (vllm_ascend/distributed/kv_transfer/kv_p2p/
+        # mooncake_connector.py, releases/v0.23.0).
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -1703,6 +1656,11 @@ class ApiHandler(BaseHTTPRequestHandler):
             self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             self.wfile.flush()
 
+        def event(choices: list[dict[str, Any]], **more: Any) -> None:
+            """One server-sent event: the stream's envelope around these choices."""
+            write(_sse({"id": response_id, "object": obj, "created": created, "model": model, "choices": choices,
+                        **more}))
+
         def start() -> None:
             nonlocal started
             if started:
@@ -1713,65 +1671,28 @@ class ApiHandler(BaseHTTPRequestHandler):
             self.send_header("Transfer-Encoding", "chunked")
             self.end_headers()
             if chat:
-                write(
-                    _sse(
-                        {
-                            "id": response_id,
-                            "object": obj,
-                            "created": created,
-                            "model": model,
-                            "choices": [
-                                {
-                                    "index": 0,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
-                )
+                event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}])
 
-        def chunk(piece: str, finish: str | None) -> dict[str, Any]:
+        def chunk(piece: str, finish: str | None) -> None:
             if chat:
                 delta = {"content": piece} if piece else {}
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
             else:
-                choice = {
-                    "index": 0,
-                    "text": piece,
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "stop_reason": None,
-                }
-            return {"id": response_id, "object": obj, "created": created, "model": model, "choices": [choice]}
+                event([{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish, "stop_reason": None}])
 
         def emit(piece: str) -> None:
             start()
-            write(_sse(chunk(piece, None)))
+            chunk(piece, None)
 
         # Errors before the first token (e.g. a failed KV pull) are still plain HTTP errors, as in vLLM.
         result = self.sim.generate(core, req, emit)
         start()
-        write(_sse(chunk("", result.finish_reason)))
+        chunk("", result.finish_reason)
         if options.get("include_usage"):
             n = len(result.pieces)
-            write(
-                _sse(
-                    {
-                        "id": response_id,
-                        "object": obj,
-                        "created": created,
-                        "model": model,
-                        "choices": [],
-                        "usage": {
-                            "prompt_tokens": len(req.prompt_ids),
-                            "total_tokens": len(req.prompt_ids) + n,
-                            "completion_tokens": n,
-                        },
-                    }
-                )
-            )
+            event([], usage={"prompt_tokens": len(req.prompt_ids), "total_tokens": len(req.prompt_ids) + n,
+                             "completion_tokens": n})
         write(_sse("[DONE]"))
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
@@ -2093,7 +2014,7 @@ def run(argv: list[str], env: dict[str, str]) -> int:
 def _start_side_channel(
     sim: Simulator, core: EngineCore, cfg: EngineConfig, servers: list[_Server]
 ) -> list[socket.socket]:
-    """Bind the KV side channel: one port per TP worker from kv_port + dp_rank * tp * pp (§3.6)."""
+    """Bind the KV side channel: one port per TP worker from kv_port + dp_rank * tp * pp (Mooncake connector)."""
     # Like the connector's ZMQ ROUTER: bound on the advertised IP (get_ip()), not on --host.
     bind_host = sim.advertised_host
     base = int(cfg.kv_port or 0) + core.rank * cfg.tp * cfg.pp

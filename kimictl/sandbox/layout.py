@@ -15,6 +15,7 @@ MODEL_DIR = "/var/lib/kimi/models/Kimi-K2.5-W4A8"
 MODELS_PARENT = "/var/lib/kimi/models"
 ENGINE_COMMAND = "/opt/kimi-sim/bin/vllm"
 NPU_SMI_PATH = "/usr/local/bin/npu-smi"
+NPU_EXPORTER_PORT = 8082    # Ascend NPU-Exporter's default -port (Ascend/ascend-npu-exporter cmd/npu-exporter/main.go)
 ASCEND_ROOT = "/usr/local/Ascend"
 HCCN_TOOL_PATH = f"{ASCEND_ROOT}/driver/tools/hccn_tool"
 CONTROL_NIC = "eth0"        # host interface on the control bridge (kimi_nic)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -26,6 +27,35 @@ REQUIRED_TOOLS = {
     "nsenter": "util-linux",
     "unshare": "util-linux",
 }
+
+
+PYENV_ROOTS = ("/root/.pyenv",)   # the CI machines keep their interpreters here; $PYENV_ROOT is searched first
+
+
+@functools.cache
+def floor_python() -> str | None:
+    """A CPython of the host Python floor (kimictl.HOST_PYTHON_FLOOR) on this machine, or None: python3.X on PATH,
+    else the newest 3.X.* under $PYENV_ROOT or /root/.pyenv. Each candidate must say it is that version."""
+    from kimictl import HOST_PYTHON_FLOOR
+
+    want = ".".join(map(str, HOST_PYTHON_FLOOR))
+    candidates = [shutil.which(f"python{want}")]
+    for root in (os.environ.get("PYENV_ROOT"), *PYENV_ROOTS):
+        try:
+            found = list((Path(root or "/nonexistent") / "versions").glob(f"{want}.*/bin/python{want}"))
+        except OSError:   # /root is not readable for everybody
+            found = []
+        candidates += sorted(map(str, found), key=lambda p: [int(x) if x.isdigit() else -1
+                                                             for x in Path(p).parts[-3].split(".")], reverse=True)
+    for c in filter(None, candidates):
+        try:
+            out = subprocess.run([c, "-I", "-S", "-c", "import sys; print(*sys.version_info[:2], sep='.')"],
+                                 capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if out == want:
+            return str(Path(c).resolve())
+    return None
 
 
 class CommandError(KimictlError):

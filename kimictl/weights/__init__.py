@@ -1,1 +1,1 @@
-"""Checkpoint staging: manifest, pull, all-gather, verify; fake hub for tests and the sandbox."""
+"""Checkpoint staging: manifest, pull, all-gather, verify (the fake hub and checkpoint generator: kimictl/sandbox/)."""

@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from kimictl.errors import InvalidInput, KimictlError
-from kimictl.weights.agent import file_digest, unsafe_name
+from kimictl.remote.weights_agent import file_digest, unsafe_name
 
 DEFAULT_REVISION = {"modelscope": "master", "huggingface": "main"}
 _CLIENT = {"modelscope": "modelscope_hub", "huggingface": "huggingface_hub"}

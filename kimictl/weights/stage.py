@@ -1,6 +1,6 @@
 """Stage the checkpoint on every host: sharded hub pull + peer all-gather, control push, shared verify.
 
-The control node computes and schedules; one agent per host (kimictl/weights/agent.py, over one SSH channel)
+The control node computes and schedules; one agent per host (kimictl/remote/weights_agent.py, over one SSH channel)
 moves and verifies bytes. The hosts pull disjoint shares from the hub, each taking the next file from one queue
 whenever its hub pull is free; every file a host has verified becomes a source for the others at once (rarest
 first, bounded streams per host, so a file fans out through a tree of hosts rather than from its first owner
@@ -27,11 +27,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kimictl.errors import HostError, InvalidInput, KimictlError
+from kimictl import state
+from kimictl.errors import HostError, InvalidInput, KimictlError, StateError
 from kimictl.inventory import Inventory
+from kimictl.remote import weights_agent as agent_mod
 from kimictl.ssh import Session, Sessions, SSHError, Target, ansible_host_key_args, target_for
-from kimictl.state import control_dir, write_manifest
-from kimictl.weights import agent as agent_mod
+from kimictl.state import control_dir
 
 AGENT_SRC = Path(agent_mod.__file__)
 # The hub clients' own tqdm bars would tear through ours; tqdm reads this once, when it is imported.
@@ -69,6 +70,8 @@ class HostReport:
     bytes_read: int = 0
     seconds: float = 0.0
     error: str | None = None
+    # the cluster's peer key when one was installed: {state: removed | in use | present, expires, ...}
+    peer_key: dict[str, Any] | None = None
 
 
 @dataclass
@@ -135,28 +138,25 @@ def load_manifest(inv: Inventory, token: str | None, source_dir: Path | None = N
     from kimictl.weights.manifest import Manifest, fetch_manifest, local_manifest
 
     c = inv.cluster
-    cached = control_dir(c.name) / "weights-manifest.json"
     if source_dir is not None:
         m = local_manifest(source_dir, model_id=c.kimi_model_id)
     elif c.kimi_model_source == "local" or not refresh:
-        try:
-            m = Manifest.from_json(cached.read_text())
-        except (OSError, ValueError):
+        text = state.read_manifest_cache(c.name)
+        if text is None:
             if c.kimi_model_source == "local":
                 raise InvalidInput(f"kimi_model_source is local and no manifest is recorded for cluster {c.name}",
-                                   hint="run `kimictl weights pull --mode control --from DIR` once") from None
-            if refresh:
-                raise
+                                   hint="run `kimictl weights pull --mode control --from DIR` once")
             return load_manifest(inv, token, refresh=True)
+        try:
+            m = Manifest.from_json(text)
+        except InvalidInput as exc:
+            raise StateError(f"the cached weights manifest of cluster {c.name} is damaged: {exc.message}",
+                             details=exc.details, hint=f"delete {control_dir(c.name) / state.MANIFEST_CACHE}; "
+                             "`kimictl weights pull` records it again") from None
     else:
         m = fetch_manifest(c.kimi_model_source, c.kimi_model_id, c.model_revision, c.kimi_model_endpoint, token,
                            timeout=timeout)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(m.to_json())
-    tmp.replace(cached)
-    write_manifest(c.name, [f.model_dump() for f in m.files],
-                   {"source": m.source, "model_id": m.model_id, "revision": m.revision, "digest": m.digest()})
+    state.write_manifest_cache(c.name, m.to_json())
     return m
 
 
@@ -202,6 +202,7 @@ class AgentLink:
         self.host, self.events, self.secrets = host, events, secrets
         transport = session.transport()
         self.server_key = transport.get_remote_server_key()
+        self.address = transport.getpeername()[0]   # the host's IP as this machine reached it
         self.chan = transport.open_session()
         self.chan.exec_command(agent_command(python, model_dir))
         self.chan.sendall((json.dumps(AGENT_SRC.read_text()) + "\n").encode())
@@ -272,9 +273,9 @@ class Stager:
         self.secrets = [s for s in (self.opts.token,) if s]
         self.reports = {h.name: HostReport(h.name, files=len(self.order)) for h in inv.hosts}
         self.links: dict[str, AgentLink] = {}
-        stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-        self.run_dir = control_dir(self.c.name) / "runs" / f"{stamp}-weights"
+        self.run_dir = state.new_run_dir(self.c.name, "weights")
         self.key_comment = f"kimictl-weights:{self.c.name}"
+        self.peer_sources: set[str] = set()   # addresses the hosts reach each other from (the key's from=)
         self.prepared = self.cleaned = False
         self.timeline: list[dict[str, Any]] = []   # what moved when: runs/<stamp>-weights/timeline.jsonl
 
@@ -303,15 +304,18 @@ class Stager:
             except Exception as exc:  # paramiko channel errors
                 self.reports[name].state, self.reports[name].error = "unreachable", f"cannot start the agent: {exc}"
         manifest = json.loads(self.m.to_json())
-        for link in self.links.values():
+        peers = [t.address for t in self.targets.values()] if pull and len(self.targets) > 1 else []
+        for name, link in self.links.items():
             link.send({"op": "hello", "manifest": manifest, "digest": self.digest, "mode": mode, "pull": pull,
-                       "invalidate": invalidate,
-                       "holder": holder("weights pull")})
+                       "invalidate": invalidate, "holder": holder("weights pull"), "peers": peers,
+                       "key_comment": self.key_comment, "key_dir": f"{self.state_dir[name]}/weights"})
         states: dict[str, dict] = {}
         while len(states) < len(self.links):
             host, ev = self._next(60.0)
             if ev["ev"] == "state":
                 states[host] = ev
+                self.peer_sources.update(ev.get("sources") or [])
+                self._peer_key_seen(host, ev.get("peer_key"))
             elif ev["ev"] in ("locked", "error", "eof"):
                 self._abort_on(host, ev, "start")
         return states
@@ -340,6 +344,12 @@ class Stager:
     def _completed(self, host: str) -> None:
         rep = self.reports[host]
         rep.state, rep.have, rep.missing, rep.unverified = "complete", len(self.order), [], []
+
+    def _peer_key_seen(self, host: str, key: dict[str, Any] | None) -> None:
+        self.reports[host].peer_key = key
+        if key and key["state"] == "removed":
+            self.r.say(f"weights: {host}: removed the peer key a killed run left behind (it would have expired "
+                       f"{key.get('expires') or '(no expiry)'})")
 
     def _fill(self, host: str, st: dict) -> None:
         rep = self.reports[host]
@@ -433,16 +443,22 @@ class Stager:
         src, private, public = AGENT_SRC.read_text(), key.read_text(), key.with_suffix(".pub").read_text().strip()
         for p in (key, key.with_suffix(".pub")):
             p.unlink()
-        md = self.c.kimi_model_dir
-        payload = {h: {"agent_src": src, "peer_key": private, "known_hosts": known, "model_dir": md,
+        payload = {h: {"agent_src": src, "peer_key": private, "known_hosts": known, "model_dir": self.c.kimi_model_dir,
                        "key_dir": f"{sd}/weights", "key_comment": self.key_comment,
-                       "authorized_line": f'restrict,command="{self.c.kimi_python} -I -S {sd}/weights/'
-                                          f'kimi_weights_agent.py rsync-serve {md}" {public}'}
+                       "authorized_line": self.authorized_line(sd, public)}
                    for h, sd in self.state_dir.items()}
         installer = ("import sys,json;d=json.loads(sys.stdin.read());g={'__name__':'kimi_weights_agent'};"
                      "exec(compile(d['agent_src'],'kimi_weights_agent','exec'),g);g['install_peer_key'](d)")
         # the private key reaches the hosts on the task's stdin (no_log); run_playbook removes its extravars file
         self._playbook("prepare", {"python": self.c.kimi_python, "installer": installer, "payload": payload})
+
+    def authorized_line(self, state_dir: str, public: str) -> str:
+        """The peer key's authorized_keys line (the host adds expiry-time when it installs it): no pty, forwarding
+        or user rc (restrict), only from the cluster's hosts, only the forced command (agent.parse_peer_command)."""
+        sources = sorted(self.peer_sources | {link.address for link in self.links.values()})
+        command = (f"{self.c.kimi_python} -I -S {state_dir}/weights/kimi_weights_agent.py rsync-serve "
+                   f"{self.c.kimi_model_dir} {state_dir}/logs/weights-peer.log")
+        return f'restrict,from="{",".join(sources)}",command="{command}" {public}'
 
     def _prepare_async(self) -> None:
         def run() -> None:

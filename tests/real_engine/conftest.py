@@ -66,7 +66,7 @@ def tiny_model(lane_python: str) -> Iterator[Path]:
     """The tiny Kimi-shaped checkpoint, generated once under /tmp (shared with every sandbox host)."""
     dest = Path(tempfile.mkdtemp(prefix="kimictl-tiny-", dir="/tmp")) / "Kimi-K2.5-tiny"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([lane_python, "-m", "kimictl.weights.tiny_model", str(dest)], capture_output=True,
+    proc = subprocess.run([lane_python, "-m", "kimictl.sandbox.tiny_model", str(dest)], capture_output=True,
                           text=True, timeout=600, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     yield dest

@@ -33,7 +33,7 @@ from conftest import (
 
 from kimictl import health
 from kimictl.facts import engine_profile
-from kimictl.weights.fakehub import FakeHub
+from kimictl.sandbox.fakehub import FakeHub
 
 pytestmark = [pytest.mark.real_engine, pytest.mark.sandbox, pytest.mark.slow]
 PROFILE = engine_profile("cpu-smoke")

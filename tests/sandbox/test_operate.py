@@ -192,7 +192,7 @@ def test_stop_stops_everything_keeps_current_and_is_idempotent(deployed) -> None
 
 def test_start_brings_current_back_ready_and_is_idempotent(deployed) -> None:
     sb = deployed
-    proc = ops("start", "-i", str(sb.inventory), "--output", "json")
+    proc = ops("start", "-i", str(sb.inventory), "--yes", "--output", "json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert doc["result"] == "started"
@@ -207,7 +207,7 @@ def test_start_brings_current_back_ready_and_is_idempotent(deployed) -> None:
     assert dep.returncode == 0 and json.loads(dep.stdout)["result"] == "no-changes", dep.stderr[-2000:]
 
     pids = {h: {n: s["child_pid"] for n, s in _supervised(sb, h).items()} for h in sb.hosts}
-    again = ops("start", "-i", str(sb.inventory), "--output", "json")
+    again = ops("start", "-i", str(sb.inventory), "--yes", "--output", "json")
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads(again.stdout)["result"] == "already-running"
     assert {h: {n: s["child_pid"] for n, s in _supervised(sb, h).items()} for h in sb.hosts} == pids
@@ -220,7 +220,7 @@ def test_start_and_stop_limit_to_one_host(deployed) -> None:
     assert sorted(json.loads(proc.stdout)["hosts"]) == ["atlas-02"]
     assert all(s["state"] == "running" for s in _supervised(sb, "atlas-01").values())
     assert all(s["state"] == "stopped" for s in _supervised(sb, "atlas-02").values())
-    proc = ops("start", "-i", str(sb.inventory), "--limit", "atlas-02", "--output", "json")
+    proc = ops("start", "-i", str(sb.inventory), "--limit", "atlas-02", "--yes", "--output", "json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert sorted(json.loads(proc.stdout)["hosts"]["atlas-02"]["started"]) == ENGINES[:4]
     assert ops("stop", "-i", str(sb.inventory), "--limit", "atlas-9").returncode == 2
@@ -231,7 +231,7 @@ def test_start_failure_names_host_step_and_log_tail(deployed) -> None:
     assert ops("stop", "-i", str(sb.inventory), "--limit", "atlas-02", "--yes").returncode == 0
     sb.fault("engine-crash:atlas-02:decode")
     try:
-        proc = ops("start", "-i", str(sb.inventory), "--limit", "atlas-02", "--output", "json")
+        proc = ops("start", "-i", str(sb.inventory), "--limit", "atlas-02", "--yes", "--output", "json")
         assert proc.returncode == 1, proc.stderr[-2000:]
         assert "host atlas-02" in proc.stderr and "--- log tail ---" in proc.stderr
         assert "engine_crash_at_start" in proc.stderr and "Traceback" not in proc.stderr
@@ -239,7 +239,7 @@ def test_start_failure_names_host_step_and_log_tail(deployed) -> None:
     finally:
         sb.fault("clear:all")
     assert ops("stop", "-i", str(sb.inventory), "--limit", "atlas-02", "--yes").returncode == 0
-    proc = ops("start", "-i", str(sb.inventory), "--output", "json")
+    proc = ops("start", "-i", str(sb.inventory), "--yes", "--output", "json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert kimictl("status", "-i", str(sb.inventory), "--output", "json").returncode == 0
 

@@ -323,22 +323,49 @@ def test_a_canary_that_fails_its_gate_is_rolled_back(cluster) -> None:
     assert code == 0 and st["state"] == "healthy" and st["drift"] == [] and st["release"] == current_before
 
 
-def test_the_api_key_stays_out_of_files_logs_and_bundles(cluster, tmp_path) -> None:
+def _admin_key(sb) -> str:
+    path = _state_dir(sb) / "secrets" / "proxy-admin-key"
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    return path.read_text().strip()
+
+
+def test_the_keys_stay_out_of_files_logs_and_bundles(cluster, tmp_path) -> None:
     sb = cluster
-    key_file = sb.ssh("atlas-01", f"stat -c '%a %U' {SD}/secrets/proxy-api-key; cat {SD}/secrets/proxy-api-key")
-    assert key_file.stdout.split("\n")[:2] == ["600 root", API_KEY]
+    admin = _admin_key(sb)
+    key_file = sb.ssh("atlas-01", f"stat -c '%a %U' {SD}/secrets/proxy-api-key; cat {SD}/secrets/proxy-api-key; "
+                                  f"stat -c '%a %U' {SD}/secrets/proxy-admin-key; cat {SD}/secrets/proxy-admin-key")
+    assert key_file.stdout.split("\n")[:4] == ["600 root", API_KEY, "600 root", admin]
     for h in sb.hosts:  # releases, supervisor states, logs, the front's state
-        hits = sb.ssh(h, f"grep -rl -- {API_KEY} {SD}/releases {SD}/run {SD}/logs {SD}/current/ 2>/dev/null")
-        assert hits.stdout.strip() == "", (h, hits.stdout)
-    control = subprocess.run(["grep", "-rl", "--", API_KEY, str(_state_dir(sb))], capture_output=True, text=True,
-                             check=False)
-    assert control.stdout.strip() == "", control.stdout
+        for key in (API_KEY, admin):
+            hits = sb.ssh(h, f"grep -rl -- {key} {SD}/releases {SD}/run {SD}/logs {SD}/current/ 2>/dev/null")
+            assert hits.stdout.strip() == "", (h, hits.stdout)
+    for key in (API_KEY, admin):  # run directories, records, ansible artifacts (the key file itself aside)
+        control = subprocess.run(["grep", "-rl", "--exclude-dir=secrets", "--", key, str(_state_dir(sb))],
+                                 capture_output=True, text=True, check=False)
+        assert control.stdout.strip() == "", control.stdout
     bundle = tmp_path / "bundle.tar.gz"
     res = kimictl("logs", "-i", str(sb.inventory), "--bundle", str(bundle))
     assert res.returncode == 0, res.stderr[-2000:]
-    assert subprocess.run(["zgrep", "-c", "-a", "--", API_KEY, str(bundle)], capture_output=True, text=True,
-                          check=False).stdout.strip() == "0"
-    assert API_KEY not in res.stdout + res.stderr
+    for key in (API_KEY, admin):
+        assert subprocess.run(["zgrep", "-c", "-a", "--", key, str(bundle)], capture_output=True, text=True,
+                              check=False).stdout.strip() == "0"
+        assert key not in res.stdout + res.stderr
+
+
+def test_the_routers_admin_api_is_closed_to_the_client_key(cluster) -> None:
+    """A client key holder cannot drain the routers behind the proxy (vllm-router's /remove_worker took the service
+    down through the front); kimictl reaches them with its admin key."""
+    sb = cluster
+    proxy = f"http://{sb.host('atlas-01')['ip']}:8000"
+    victim = urllib.parse.quote(f"http://{sb.engines[0]['ip']}:{sb.engines[0]['port']}", safe="")
+    for path, code in ((f"/remove_worker?url={victim}", 404), (f"/kimictl/router/0/remove_worker?url={victim}", 403),
+                       (f"/kimictl/router/1/remove_worker?url={victim}", 403), ("/workers", 404)):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(proxy + path, {"url": victim}, api_key=API_KEY)
+        assert refused.value.code == code, path
+    code, st = _status(sb)
+    assert code == 0 and st["state"] == "healthy"
+    assert [(m["router"], m["members"], m["missing"]) for m in st["proxy"]["membership"]] == [(0, 12, []), (1, 12, [])]
 
 
 def test_a_new_api_key_is_installed_by_deploy_without_restarts(cluster, tmp_path) -> None:
@@ -349,6 +376,8 @@ def test_a_new_api_key_is_installed_by_deploy_without_restarts(cluster, tmp_path
     key_file = Path(yaml.safe_load(sb.inventory.read_text())["all"]["vars"]["kimi_api_key_file"])
     before = {k: v["child_pid"] for k, v in _supervised(sb).items()}
     key_file.write_text("sk-rotated-9c0e\n")
+    old_admin = _admin_key(sb)
+    (_state_dir(sb) / "secrets" / "proxy-admin-key").unlink()  # as on another control node: a new one is made
     try:
         res = kimictl("deploy", "-i", inv, "--topology", str(topo) if topo.exists() else "a3-pd", "--yes",
                       "--output", "json")
@@ -361,6 +390,11 @@ def test_a_new_api_key_is_installed_by_deploy_without_restarts(cluster, tmp_path
         with pytest.raises(urllib.error.HTTPError) as old:
             _post(proxy, body, api_key=API_KEY)
         assert old.value.code == 401
+        new_admin = _admin_key(sb)
+        assert new_admin != old_admin
+        assert sb.ssh("atlas-01", f"cat {SD}/secrets/proxy-admin-key").stdout.strip() == new_admin
+        _, st = _status(sb)
+        assert [(m["router"], m["members"]) for m in st["proxy"]["membership"]] == [(0, 12), (1, 12)], st["proxy"]
         assert {k: v["child_pid"] for k, v in _supervised(sb).items()} == before
     finally:
         key_file.write_text(API_KEY + "\n")

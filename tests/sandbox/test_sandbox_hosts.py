@@ -177,3 +177,29 @@ def test_status_json(sandbox_a3, cli):
     doc = json.loads(r.stdout)
     assert doc["state"] == "up" and doc["mode"] == "netns" and doc["hardware"] == "atlas-800-a3"
     assert [h["state"] for h in doc["hosts"]] == ["up", "up"]
+
+
+def test_hosts_run_the_host_python_floor_as_python3(sandbox_a3, cli):
+    """openEuler 22.03 hosts run Python 3.9: the sandbox's hosts do too when this machine has one, as the `python3`
+    kimictl's host code, its scripts and Ansible's modules run on, with the stdlib working."""
+    from kimictl import HOST_PYTHON_FLOOR
+    from kimictl.sandbox.system import floor_python
+
+    doc = json.loads(cli("status", "--dir", str(sandbox_a3.dir), "--output", "json").stdout)
+    if floor_python() is None:
+        assert doc["host_python"] is None
+        pytest.skip("no interpreter of the host Python floor on this machine")
+    version = doc["host_python"]["version"]
+    assert version.startswith(".".join(map(str, HOST_PYTHON_FLOOR)) + ".")
+    r = sandbox_a3.ssh("atlas-01", "python3 -c 'import sys, ssl, sqlite3, asyncio; print(sys.version.split()[0])'")
+    assert r.returncode == 0 and r.stdout.split() == [version], r.stderr
+    prefix = doc["host_python"]["prefix"]
+    if prefix.startswith("/root/"):   # carried past the host's fresh /root, read-only
+        r = sandbox_a3.ssh("atlas-01", f"touch {prefix}/kimictl-probe")
+        assert r.returncode != 0 and "Read-only file system" in r.stderr
+    bindir = Path(sys.executable).parent
+    r = subprocess.run([str(bindir / "ansible"), "all", "-i", str(sandbox_a3.inventory), "-m",
+                        "ansible.builtin.setup", "-a", "filter=ansible_python_version"], capture_output=True,
+                       text=True, check=False, timeout=120)
+    assert r.returncode == 0 and r.stdout.count(f'"ansible_python_version": "{version}"') == 2, r.stdout + r.stderr
+    assert f"hosts' python3: {version}" in cli("status", "--dir", str(sandbox_a3.dir)).stdout

@@ -209,7 +209,7 @@ def test_unsafe_listing_is_refused_before_any_byte_is_written(sb):
 def test_hub_token_never_shows(sb, tmp_path):
     """From the environment or a token file, the token reaches the hub and nothing else: no output, no file on the
     control node (Ansible's artifacts included) or a host, no process's command line while the pulls run."""
-    from kimictl.weights.fakehub import FakeHub
+    from kimictl.sandbox.fakehub import FakeHub
 
     token = "kimi-secret-7f3a9c1e5b"
     inv = yaml.safe_load(sb.inventory.read_text())
@@ -248,3 +248,63 @@ def test_hub_token_never_shows(sb, tmp_path):
         assert token not in out
     leaks = subprocess.run(["grep", "-rl", token, str(state)], check=False, capture_output=True, text=True)
     assert leaks.stdout == ""
+
+
+def test_peer_key_serves_only_kimictls_rsync_from_cluster_hosts_and_a_killed_runs_key_goes(sb, tmp_path):
+    """The run's key, taken from a host while a pull runs: an extra rsync option through its forced command is
+    refused and writes nothing; it only works from the cluster's hosts (from=) and carries an expiry. The pull is
+    killed, so the key stays: the next `weights status` reports and removes it."""
+    import uuid
+
+    wipe(sb)
+    hub(sb, "/_admin/rate", {"rate": "2MB/s"})
+    proc = subprocess.Popen([sys.executable, "-m", "kimictl", "weights", "pull", "-i", str(sb.inventory)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    kd = "/var/lib/kimi/weights"
+    try:
+        deadline = time.monotonic() + 120
+        while not all(sb.ssh(h, f"test -s {kd}/peer_key && grep -q kimictl-weights:sandbox ~/.ssh/authorized_keys"
+                                ).returncode == 0 for h in sb.hosts):
+            assert time.monotonic() < deadline and proc.poll() is None, "the pull never installed its peer key"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(10)
+        hub(sb, "/_admin/rate", {"rate": None})
+    a, b = sb.hosts[0], sb.hosts[1]
+    ips = sorted(sb.host(h)["ip"] for h in sb.hosts)
+    line = sb.ssh(b, "grep kimictl-weights ~/.ssh/authorized_keys").stdout
+    assert line.startswith('restrict,expiry-time="') and f'from="{",".join(ips)}"' in line, line
+
+    b_ip = sb.host(b)["ip"]
+    peer_ssh = (f"ssh -i {kd}/peer_key -o UserKnownHostsFile={kd}/known_hosts -o StrictHostKeyChecking=yes "
+                "-o BatchMode=yes -o IdentitiesOnly=yes")
+    canary = f"/tmp/kimictl-peer-canary-{uuid.uuid4().hex[:8]}"   # /tmp is this machine's, on every host
+    attack = sb.ssh(a, f"{peer_ssh} root@{b_ip} 'rsync --server --sender -Re.LsfxCIvu --timeout=60 . "
+                       f"--log-file={canary} .kimi-lock'")
+    assert attack.returncode != 0 and "refused rsync arguments" in attack.stderr, attack
+    assert not Path(canary).exists()
+    assert f"--log-file={canary}" in sb.ssh(b, "cat /var/lib/kimi/logs/weights-peer.log").stdout
+    # what kimictl itself sends still goes through (the lock file exists on every host the pull reached)
+    fetched = sb.ssh(a, f"rm -rf /var/lib/kimi/fetch-test && rsync -R --timeout=60 -e '{peer_ssh}' "
+                        f"root@{b_ip}:.kimi-lock /var/lib/kimi/fetch-test/ && cat /var/lib/kimi/fetch-test/.kimi-lock")
+    assert fetched.returncode == 0 and "weights pull" in fetched.stdout, fetched
+    sb.ssh(a, "rm -rf /var/lib/kimi/fetch-test")
+    # the same key from this machine, which is not a cluster host: sshd refuses it (from=)
+    key = tmp_path / "peer_key"
+    key.write_text(sb.ssh(a, f"cat {kd}/peer_key").stdout)
+    key.chmod(0o600)
+    outside = subprocess.run(["ssh", "-i", str(key), "-o", f"UserKnownHostsFile={sb.dir / 'known_hosts'}",
+                              "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes", f"root@{b_ip}",
+                              "rsync --server --sender -Re.LsfxCIvu --timeout=60 . .kimi-lock"],
+                             capture_output=True, text=True, timeout=60, check=False)
+    assert outside.returncode == 255 and "Permission denied" in outside.stderr, outside
+
+    st = kimictl("weights", "status", "-i", str(sb.inventory), "-o", "json")
+    keys = {h["host"]: h["peer_key"] for h in json.loads(st.stdout)["hosts"]}
+    assert all(k and k["state"] == "removed" and k["expires"] for k in keys.values()), keys
+    for h in sb.hosts:
+        assert "kimictl-weights" not in sb.ssh(h, "cat ~/.ssh/authorized_keys").stdout
+        assert sb.ssh(h, f"test -e {kd}").returncode != 0
+    text = kimictl("weights", "status", "-i", str(sb.inventory))
+    assert "peer key" not in text.stdout   # gone: nothing left to report

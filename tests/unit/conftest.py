@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,3 +30,10 @@ def inventory_factory(tmp_path: Path) -> Callable[..., Path]:
         return write_yaml(tmp_path / name, data)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def host_python() -> str:
+    """The interpreter that runs host-side code in tests: KIMICTL_HOST_PYTHON (scripts/test.sh sets it to the host
+    Python floor's, kimictl.HOST_PYTHON_FLOOR, for a second pass over the host-side tests), else this one."""
+    return os.environ.get("KIMICTL_HOST_PYTHON") or sys.executable

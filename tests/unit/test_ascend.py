@@ -1,4 +1,4 @@
-"""Ascend output parsers against the reference shapes (shared/reference/model-hub-hardware.md Part D)."""
+"""Ascend output parsers against the output shapes of real npu-smi / hccn_tool (Atlas 800 A2 and A3 hosts)."""
 
 from __future__ import annotations
 

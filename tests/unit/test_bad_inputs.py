@@ -133,6 +133,8 @@ CASES: list[Case] = [
          ("a3-d.cluster.example.com", "kimi_host_ip", "host a3-d"), at="a3-d:"),
     Case("proxy-host-unknown", "inv-proxy-host-unknown.yml", "a3-pd",
          ("kimi_proxy_host", "a3-x", "not an inventory host"), at="kimi_proxy_host:"),
+    Case("monitor-host-unknown", _inv({"kimi_monitor_host": "a3-q"}, {"a3-p": A3P}), "a3-pd",
+         ("kimi_monitor_host", "a3-q", "not an inventory host", "did you mean 'a3-p'"), at="kimi_monitor_host:"),
     Case("version-unknown", "inv-version-unknown.yml", "a3-pd", ("kimi_vllm_ascend_version", "0.99.0", "0.23.0")),
     Case("version-unknown-file-line", "inv-version-unknown.yml", "a3-pd", ("kimi_vllm_ascend_version",),
          at="kimi_vllm_ascend_version:"),

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kimictl.weights.checkpoint import (
+from kimictl.sandbox.checkpoint import (
     DESCRIPTION_NAME,
     INDEX_NAME,
     checkpoint_manifest,
@@ -227,7 +227,7 @@ def test_cli_runs_under_plain_python(tmp_path: Path, ckpt: tuple[Path, list[dict
         [
             python,
             "-m",
-            "kimictl.weights.checkpoint",
+            "kimictl.sandbox.checkpoint",
             str(tmp_path / "c"),
             "--size",
             "6MiB",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kimictl.ansible import build_run_spec
-from kimictl.deploy import HostObservation, compute_changes, desired_procs
+from kimictl.hostops import HostObservation, compute_changes, desired_procs
 from kimictl.inventory import load_inventory
 from kimictl.plan import make_plan
 from kimictl.render import render

@@ -1,4 +1,4 @@
-"""Output shapes of the npu-smi and hccn_tool doubles (model-hub-hardware.md Part D), without root."""
+"""Output shapes of the npu-smi and hccn_tool doubles (those of real Atlas 800 A2/A3 hosts), without root."""
 
 from __future__ import annotations
 
@@ -221,11 +221,10 @@ def test_ping_reports_real_loss(sim, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["npu_smi.py", "hccn_tool.py"])
-def test_doubles_run_on_bare_system_python(sim, name):
-    """The hosts have no venv: the doubles must work under /usr/bin/python3 -I -S (stdlib only)."""
-    python = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else "python3"
+def test_doubles_run_on_bare_system_python(sim, name, host_python):
+    """The hosts have no venv: the doubles must work under their python3 -I -S (stdlib only)."""
     argv = ["info"] if name == "npu_smi.py" else ["-i", "0", "-link", "-g"]
-    proc = subprocess.run([python, "-I", "-S", str(DOUBLES / name), *argv], capture_output=True, text=True,
+    proc = subprocess.run([host_python, "-I", "-S", str(DOUBLES / name), *argv], capture_output=True, text=True,
                           env={"KIMI_SIM_DIR": str(sim), "PATH": "/usr/bin:/bin"}, check=False)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()

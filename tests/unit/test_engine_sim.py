@@ -25,7 +25,9 @@ from kimictl import health
 
 SIM = Path(es.__file__)
 # The fake hosts run the sim with the system interpreter and no venv; do the same when it exists.
-PYTHON = "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
+# the sandbox hosts' python3 (KIMICTL_HOST_PYTHON: the host Python floor's, from scripts/test.sh)
+PYTHON = os.environ.get("KIMICTL_HOST_PYTHON") or ("/usr/bin/python3" if Path("/usr/bin/python3").exists()
+                                                   else sys.executable)
 STARTUP_TIMEOUT = 20.0
 MODEL = "kimi-k2.5"
 
@@ -211,8 +213,9 @@ class Sim:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 key = sample.name
-                if "finished_reason" in sample.labels:
-                    key += "{" + sample.labels["finished_reason"] + "}"
+                for label in ("finished_reason", "source"):
+                    if label in sample.labels:
+                        key += "{" + sample.labels[label] + "}"
                 out[key] = out.get(key, 0.0) + sample.value
         return out
 
@@ -656,6 +659,15 @@ def test_prefill_then_decode_by_hand_moves_both_sides(pd_pair):
     assert d_metrics["vllm:external_prefix_cache_queries_total"] == prompt_tokens
     assert d_metrics["vllm:external_prefix_cache_hits_total"] == prompt_tokens
     assert d_metrics["vllm:generation_tokens_total"] == 9
+    # vLLM's prompt token sources: prefill computed the prompt, decode got all of it over the KV hand-over
+    by_source = "vllm:prompt_tokens_by_source_total{%s}"
+    assert p_metrics[by_source % "local_compute"] == prompt_tokens
+    assert p_metrics[by_source % "external_kv_transfer"] == 0
+    assert d_metrics[by_source % "external_kv_transfer"] == prompt_tokens
+    assert d_metrics[by_source % "local_compute"] == 0
+    assert d_metrics["vllm:request_time_per_output_token_seconds_count"] == 1, "one request of 9 tokens: one TPOT"
+    assert p_metrics["vllm:request_time_per_output_token_seconds_count"] == 0, "prefill answers 1 token: no TPOT"
+    assert 0 < p_metrics["process_start_time_seconds"] <= time.time()
 
     # The KV was freed once pulled: pulling it again is an error, not a silent local prefill.
     status, body, _ = http(
@@ -739,7 +751,9 @@ def test_second_prefill_rank_uses_its_own_side_channel_port(simhost):
     kv = _prefill(rank1, "req-r1")["kv_transfer_params"]
     assert kv["remote_port"] == p_kv + 8 and kv["remote_engine_id"].endswith("_dp1")
     families = text_string_to_metric_families(http("GET", f"{rank1.url}/metrics")[1].decode())
-    engines = {s.labels.get("engine") for f in families for s in f.samples}
+    # vllm: families carry the DP rank; prometheus_client's process_* families (as in real vLLM) carry no labels
+    engines = {s.labels.get("engine") for f in families if f.name.startswith(("vllm:", "kimi_sim:"))
+               for s in f.samples}
     assert engines == {"1"}, "an external-DP engine labels its series with its DP rank"
 
 

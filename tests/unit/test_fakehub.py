@@ -19,8 +19,8 @@ from urllib.parse import quote, urlsplit
 
 import pytest
 
-from kimictl.weights.checkpoint import checkpoint_manifest, generate_checkpoint
-from kimictl.weights.fakehub import MALICIOUS_NAMES, FakeHub, Faults, _parse_range
+from kimictl.sandbox.checkpoint import checkpoint_manifest, generate_checkpoint
+from kimictl.sandbox.fakehub import MALICIOUS_NAMES, FakeHub, Faults, _parse_range
 
 REPO = "Eco-Tech/Kimi-K2.5-W4A8"
 SHARD = "quant_model_weights-00001-of-00004.safetensors"
@@ -435,7 +435,7 @@ def test_cli_serves_with_token_and_pidfile(ckpt: Path, tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "kimictl.weights.fakehub",
+            "kimictl.sandbox.fakehub",
             "--repo",
             f"{REPO}={ckpt}",
             "--host",

@@ -10,11 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kimictl.weights.checkpoint import checkpoint_manifest, generate_checkpoint
-from kimictl.weights.fakehub import FakeHub
-
-pytest.importorskip("modelscope")
-pytest.importorskip("huggingface_hub")
+from kimictl.sandbox.checkpoint import checkpoint_manifest, generate_checkpoint
+from kimictl.sandbox.fakehub import FakeHub
 
 REPO = "Eco-Tech/Kimi-K2.5-W4A8"
 TOKEN = "tok-9f8e7d6c5b4a"

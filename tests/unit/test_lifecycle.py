@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kimictl.deploy import desired_procs, process_tag
+from kimictl.hostops import desired_procs, process_tag
 from kimictl.inventory import load_inventory
 from kimictl.lifecycle import current_procs, stop_plan
 from kimictl.plan import make_plan

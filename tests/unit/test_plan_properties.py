@@ -2,7 +2,7 @@
 
 For every generated case make_plan either raises an InvalidInput (exit 2) or returns a plan whose engines,
 ranks, devices, ports and kv-transfer configs satisfy the invariants vllm-ascend's external-DP P/D launch needs
-(shared/reference/vllm-ascend.md §3.2-3.6).
+(vllm-ascend's pd_disaggregation_mooncake_multi_node.md and the Kimi-K2.5 tutorial, releases/v0.23.0).
 """
 
 from __future__ import annotations

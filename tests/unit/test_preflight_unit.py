@@ -234,3 +234,47 @@ def test_driver_floor_and_validated_hdk(driver: str, ver001: str, ver006: str) -
     assert got["VER-006"].severity == "warning"
     if ver006 == "fail":
         assert "validated with HDK 26.0.RC1" in got["VER-006"].message and got["VER-006"].fix
+
+
+def test_res001_says_why_it_judges_disk_room_against_the_estimate(tmp_path: Path, monkeypatch) -> None:
+    """A hub listing that cannot be read does not stop preflight, but RES-001 says why it used the estimate."""
+    from kimictl.facts import model_facts
+    from kimictl.preflight import Probe, _host_checks, _Judge, checkpoint_bytes
+    from kimictl.sandbox.fakehub import FakeHub
+
+    monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "state"))
+    for name in ("MODELSCOPE_API_TOKEN", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    (ckpt / "w-00001-of-00001.safetensors").write_bytes(b"w" * 5000)
+    inv_file = _a3_inventory(tmp_path, 2)
+    with FakeHub({"Eco-Tech/Kimi-K2.5-W4A8": ckpt}, token="tok-needed") as hub:
+        inv_file.write_text(inv_file.read_text().replace("    kimi_nic: eth0\n", "    kimi_nic: eth0\n"
+                                                         f"    kimi_model_endpoint: {hub.url}\n"))
+        inv = load_inventory(inv_file)
+        need, why = checkpoint_bytes(inv)
+    assert need == model_facts().total_bytes
+    assert why and why.startswith("the hub listing could not be read: ") and "token is missing" in why
+    plan = make_plan(inv, load_topology("a3-pd"))
+    j = _Judge(set())
+    df = "Filesystem 1B-blocks Used Available Use% Mounted\n/dev/x 1 1 1099511627776 1% /var\n"
+    _host_checks(j, inv, plan, inv.hosts[0], Probe({"df": (df, 0), "model": ("0\n", 0)}), need, why)
+    (res,) = [r for r in j.results if r.id == "RES-001"]
+    assert "estimate from model facts; the hub listing could not be read:" in res.message and "token" in res.message
+    with FakeHub({"Eco-Tech/Kimi-K2.5-W4A8": ckpt}) as hub:   # readable: the exact size, nothing to explain
+        inv_file.write_text(re.sub(r"kimi_model_endpoint: \S+", f"kimi_model_endpoint: {hub.url}",
+                                   inv_file.read_text()))
+        assert checkpoint_bytes(load_inventory(inv_file)) == (5002, None)
+
+
+def test_hub_clients_are_core_dependencies() -> None:
+    """`weights pull` and `deploy` need them on every real cluster: not an optional extra."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {re.split(r"[<>=!~ ;\[]", d)[0].lower() for d in project["dependencies"]}
+    assert {"modelscope", "huggingface-hub"} <= core
+    extras = project.get("optional-dependencies", {}).values()
+    assert not any("modelscope" in d or "huggingface" in d for extra in extras for d in extra)

@@ -1,5 +1,5 @@
-"""The proxy front (kimictl/proxy_front.py) in front of stand-in routers: API key, failover, rolling reloads
-without client errors, HTTP framing."""
+"""The proxy front (kimictl/remote/proxy_front.py) in front of stand-in routers: API key, the admin channel, failover,
+rolling reloads without client errors, HTTP framing, hostile clients, Python 3.9."""
 
 from __future__ import annotations
 
@@ -16,9 +16,13 @@ from pathlib import Path
 
 import pytest
 
-FRONT = Path(__file__).parents[2] / "kimictl" / "proxy_front.py"
+FRONT = Path(__file__).parents[2] / "kimictl" / "remote" / "proxy_front.py"
 FAKE_ROUTER = Path(__file__).parent / "data" / "fake_router.py"
 KEY = "k-7f3a9c1e"
+# Hosts run the front with their own python3: KIMICTL_HOST_PYTHON=/path/python3.9 checks another one (scripts/test.sh).
+FRONT_PY = os.environ.get("KIMICTL_HOST_PYTHON") or sys.executable
+ADMIN = "adm-51c0ffee"
+PY39 = Path("/root/.pyenv/versions/3.9.18/bin/python3")
 
 
 def free_ports(n: int) -> list[int]:
@@ -33,21 +37,29 @@ def free_ports(n: int) -> list[int]:
 
 class Front:
     def __init__(self, tmp: Path, routers: int = 2, api_key: bool = True, connect_wait: float = 30.0,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, admin_key: bool = True, python: str = FRONT_PY,
+                 extra: list[str] = (), nofile: int | None = None):
         ports = free_ports(1 + 2 * routers)
         self.port, self.state = ports[0], tmp / "front.json"
-        self.key_file = tmp / "key"
+        self.key_file, self.admin_file = tmp / "key", tmp / "admin-key"
         self.key_file.write_text(KEY + "\n")
+        self.admin_file.write_text(ADMIN + "\n")
         self.fail_file = tmp / "fail"
-        argv = [sys.executable, str(FRONT), "run", "--listen", f"127.0.0.1:{self.port}", "--state", str(self.state),
-                "--grace", "10", "--ready-timeout", "20", "--connect-wait", str(connect_wait)]
+        self.python = python
+        argv = [python, str(FRONT), "run", "--listen", f"127.0.0.1:{self.port}", "--state", str(self.state),
+                "--grace", "10", "--ready-timeout", "20", "--connect-wait", str(connect_wait), *extra]
         for i in range(routers):
             argv += ["--router", f"{ports[1 + 2 * i]}:{ports[2 + 2 * i]}"]
         if api_key:
             argv += ["--api-key-file", str(self.key_file)]
+        if admin_key:
+            argv += ["--admin-key-file", str(self.admin_file)]
         # The rendered command's --host/--port must be overridden by the front's own.
         argv += ["--", sys.executable, str(FAKE_ROUTER), "--host", "0.0.0.0", "--port", "1", "--policy", "x"]
-        self.log = (tmp / "front.log").open("w")
+        self.log_path = tmp / "front.log"
+        self.log = self.log_path.open("w")
+        if nofile:  # the open-file limit, soft and hard (the front may raise its soft limit up to the hard one)
+            argv = ["prlimit", f"--nofile={nofile}:{nofile}", "--", *argv]
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "FAKE_ROUTER_FAIL_FILE": str(self.fail_file), **(env or {})})
         self.wait(lambda d: all(r["state"] == "ready" for r in d["routers"]))
@@ -81,30 +93,64 @@ class Front:
             c.close()
         return r.status, (json.loads(data) if data else {})
 
-    def reload(self) -> tuple[int, dict]:
-        p = subprocess.run([sys.executable, str(FRONT), "reload", "--state", str(self.state), "--timeout", "60"],
+    def reload(self, timeout: float = 60) -> tuple[int, dict]:
+        p = subprocess.run([self.python, str(FRONT), "reload", "--state", str(self.state), "--timeout", str(timeout)],
                            capture_output=True, text=True, check=False)
         return p.returncode, json.loads(p.stdout)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
+    def raw(self, data: bytes, timeout: float = 15) -> bytes:
+        """Send raw bytes on a fresh connection; what comes back until the front closes it."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as s:
+            s.sendall(data)
+            return read_all(s)
+
+    def stop(self) -> int | None:
+        """SIGTERM; the front's exit code (None: it had to be killed)."""
+        code = self.proc.poll()
+        if code is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(20)
+                code = self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait()
         self.log.close()
+        return code
+
+    def rss_kib(self) -> int:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise AssertionError("no VmRSS")
+
+
+def read_all(s: socket.socket) -> bytes:
+    got = b""
+    while chunk := s.recv(65536):
+        got += chunk
+    return got
+
+
+def head(path: str = "/v1/completions", method: str = "POST", length: int | None = None, key: str | None = KEY,
+         extra: str = "") -> bytes:
+    text = f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+    text += f"Authorization: Bearer {key}\r\n" if key else ""
+    text += f"Content-Length: {length}\r\n" if length is not None else ""
+    return (text + extra + "\r\n").encode()
+
+
+def routers_gone(f: Front) -> None:
+    for pid in [r["pid"] for r in f.doc()["routers"] if r.get("pid")]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 @pytest.fixture
 def front(tmp_path: Path):
     f = Front(tmp_path)
     yield f
-    f.stop()
-    router_pids = [r["pid"] for r in f.doc()["routers"] if r.get("pid")]
-    for pid in router_pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert f.stop() == 0
+    routers_gone(f)
 
 
 def test_api_key_on_every_request_but_health(front: Front) -> None:
@@ -113,8 +159,11 @@ def test_api_key_on_every_request_but_health(front: Front) -> None:
     assert front.request("POST", "/v1/completions", {"prompt": "x"}, key="wrong")[0] == 401
     code, doc = front.request("POST", "/v1/completions", {"prompt": "x"})
     assert code == 200 and doc["choices"][0]["text"].startswith("router ")
-    # The router's admin API is behind the key too.
-    assert front.request("GET", "/kimictl/router/0/workers", key=None)[0] == 401
+    # The scheme is case-insensitive (RFC 9110); the key is not.
+    for scheme in ("bearer", "BEARER", "bEaReR"):
+        assert front.raw(head(key=None, length=2, extra=f"Authorization: {scheme} {KEY}\r\n") + b"{}"
+                         ).startswith(b"HTTP/1.1 200")
+    assert front.raw(head(key=KEY.upper(), length=2) + b"{}").startswith(b"HTTP/1.1 401")
     # A request without the key on a connection that already sent one with it is refused as well.
     c = http.client.HTTPConnection("127.0.0.1", front.port, timeout=10)
     assert front.request("POST", "/v1/completions", {"prompt": "x"}, conn=c)[0] == 200
@@ -131,9 +180,9 @@ def test_api_key_on_every_request_but_health(front: Front) -> None:
 def test_admin_path_reaches_one_router_and_ports_are_overridden(front: Front) -> None:
     ports = [r["port"] for r in front.doc()["routers"]]
     for i, port in enumerate(ports):
-        code, doc = front.request("GET", f"/kimictl/router/{i}/whoami?x=1")
+        code, doc = front.request("GET", f"/kimictl/router/{i}/whoami?x=1", key=ADMIN)
         assert code == 200 and doc["port"] == port and doc["path"] == "/whoami?x=1"
-    assert front.request("GET", "/kimictl/router/7/whoami")[0] == 404
+    assert front.request("GET", "/kimictl/router/7/whoami", key=ADMIN)[0] == 404
     # Each copy listens on loopback only (the front's --host wins over the rendered 0.0.0.0).
     out = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True, check=False).stdout
     for port in ports:
@@ -242,12 +291,22 @@ def test_http_framing(front: Front) -> None:
 
 
 def test_a_request_the_router_drops_unanswered_is_sent_again(tmp_path: Path) -> None:
-    f = Front(tmp_path, api_key=False, env={"FAKE_ROUTER_DROP_EVERY": "3"})
+    f = Front(tmp_path, api_key=False, admin_key=False, env={"FAKE_ROUTER_DROP_EVERY": "3"})
     try:
         c = http.client.HTTPConnection("127.0.0.1", f.port, timeout=10)
         for _ in range(12):  # every third request on an upstream connection goes unanswered
             assert f.request("POST", "/v1/completions", {"prompt": "x"}, key=None, conn=c)[0] == 200
         c.close()
+        # A body too big to keep is streamed through, so when it is the one dropped it cannot be sent again: 502.
+        c = http.client.HTTPConnection("127.0.0.1", f.port, timeout=10)
+        assert f.request("POST", "/v1/completions", {"prompt": "x"}, key=None, conn=c)[0] == 200
+        assert f.request("POST", "/v1/completions", {"prompt": "x"}, key=None, conn=c)[0] == 200
+        code, doc = f.request("POST", "/v1/completions", {"prompt": "z" * (1 << 20)}, key=None, conn=c)
+        assert code == 502 and "not sent twice" in doc["error"]["message"]
+        c.close()
+        # Without an admin key file the routers' own API is closed to everyone; client paths stay open.
+        assert f.request("GET", "/kimictl/router/0/workers", key=None)[0] == 403
+        assert f.request("GET", "/kimictl/router/0/workers", key="")[0] == 403
     finally:
         f.stop()
 
@@ -262,6 +321,186 @@ def test_no_router_up_waits_then_503(tmp_path: Path) -> None:
         assert code == 503 and "no router" in doc["error"]["message"]
     finally:
         f.stop()
+
+
+def test_router_admin_api_is_closed_to_client_keys(front: Front) -> None:
+    """Only client paths reach the routers with the client key; their own API needs the admin key."""
+    workers = ["http://10.0.0.1:7100", "http://10.0.0.2:7100"]
+    for method, path in [("POST", "/remove_worker?url=http://10.0.0.1:7100"), ("GET", "/workers"),
+                         ("POST", "/workers"), ("POST", "/add_worker?url=http://10.9.9.9:1"),
+                         ("POST", "/instances/remove"), ("GET", "/metrics"), ("POST", "/%72emove_worker")]:
+        code, doc = front.request(method, path, {"instances": workers})
+        assert code == 404 and "not a client path" in doc["error"]["message"], (path, code, doc)
+    for key in (KEY, None, "adm"):
+        code, doc = front.request("POST", "/kimictl/router/0/remove_worker?url=http://10.0.0.1:7100", key=key)
+        assert code == 403 and "admin key" in doc["error"]["message"]
+    # What a router could read as another path is refused before any routing.
+    for target in ("/v1/../remove_worker", "/v1/%2e%2e/remove_worker", "/v1/..%2fremove_worker",
+                   "http://127.0.0.1/remove_worker", "*"):
+        assert front.raw(head(target, length=0)).startswith(b"HTTP/1.1 400"), target
+    for i in range(2):  # every copy still has its whole membership
+        code, doc = front.request("GET", f"/kimictl/router/{i}/workers", key=ADMIN)
+        assert code == 200 and [w["url"] for w in doc["workers"]] == workers
+    # kimictl's own drain (rollout's RouterAdmin) goes through the admin channel.
+    from kimictl.rollout.router import RouterAdmin, RouterError
+
+    admin = RouterAdmin(f"http://127.0.0.1:{front.port}/kimictl/router/1", api_key=ADMIN)
+    admin.remove("http://10.0.0.2:7100")
+    assert list(admin.members()) == ["http://10.0.0.1:7100"]
+    with pytest.raises(RouterError, match="403"):
+        RouterAdmin(f"http://127.0.0.1:{front.port}/kimictl/router/1", api_key=KEY).members()
+    # The admin key rotates like the client key.
+    front.admin_file.write_text("adm-rotated-9\n")
+    assert front.request("GET", "/kimictl/router/0/workers", key=ADMIN)[0] == 403
+    assert front.request("GET", "/kimictl/router/0/workers", key="adm-rotated-9")[0] == 200
+
+
+def test_hostile_request_heads_are_refused_cleanly(front: Front) -> None:
+    """What the front and a router could read differently is 400, and never costs the front a traceback."""
+    cases = {
+        "a Content-Length of 5000 digits": head(extra="Content-Length: " + "9" * 5000 + "\r\n"),
+        "a negative Content-Length": head(extra="Content-Length: -1\r\n"),
+        "two Content-Lengths": head(extra="Content-Length: 2\r\nContent-Length: 3\r\n"),
+        "a bare LF inside a header value": head(length=2, extra="X-A: a\nTransfer-Encoding: chunked\r\n"),
+        "a bare CR inside a header value": head(length=2, extra="X-A: a\rb\r\n"),
+        "an obs-fold line": head(length=2, extra="X-A: a\r\n b\r\n"),
+        "a space before the colon": head(length=2, extra="Content-Length : 5\r\n"),
+        "a NUL in the target": head("/v1/comp\x00letions", length=2),
+        "an HTTP/2 request line": b"POST /v1/completions HTTP/2.0\r\nHost: x\r\n\r\n",
+    }
+    for what, data in cases.items():
+        got = front.raw(data + b"{}")
+        assert got.startswith(b"HTTP/1.1 400"), (what, got[:80])
+    assert front.request("POST", "/v1/completions", {"prompt": "x"})[0] == 200
+    log = front.log_path.read_text()
+    assert "Traceback" not in log and "internal error" not in log, log[-2000:]
+
+
+def test_slow_clients_get_408_and_idle_connections_close(tmp_path: Path) -> None:
+    f = Front(tmp_path, routers=1, extra=["--header-timeout", "1", "--io-timeout", "1", "--idle-timeout", "1"])
+    try:
+        # A request head that never ends.
+        assert f.raw(head()[:-4]).startswith(b"HTTP/1.1 408")
+        # Bodies that stop: a small one (kept for a second attempt) and a big one (streamed to the router).
+        assert f.raw(head(length=100) + b"{" * 10).startswith(b"HTTP/1.1 408")
+        assert f.raw(head(length=50 << 20) + b"{" * (2 << 20)).startswith(b"HTTP/1.1 408")
+        # A keep-alive connection with no next request is closed without a word.
+        with socket.create_connection(("127.0.0.1", f.port), timeout=15) as s:
+            s.sendall(head(length=2).replace(b"Connection: close", b"X-K: v") + b"{}")
+            got = read_all(s)
+            assert got.startswith(b"HTTP/1.1 200") and got.count(b"HTTP/1.1") == 1
+        assert f.request("POST", "/v1/completions", {"prompt": "x"})[0] == 200
+        assert "Traceback" not in f.log_path.read_text()
+    finally:
+        f.stop()
+
+
+def test_body_limit_and_streamed_bodies_keep_memory_bounded(tmp_path: Path) -> None:
+    f = Front(tmp_path, routers=1, extra=["--max-body", str(200 << 20)])
+    socks: list[socket.socket] = []
+    try:
+        assert f.raw(head(length=(200 << 20) + 1)).startswith(b"HTTP/1.1 413")
+        # A whole big body arrives at the router byte for byte.
+        body = json.dumps({"prompt": "b" * (3 << 20)}).encode()
+        got = f.raw(head(length=len(body)) + body)
+        assert got.startswith(b"HTTP/1.1 200") and f'"echo_bytes": {len(body)}'.encode() in got
+        # Four unfinished 100 MiB bodies, 40 MiB of each sent: the front holds none of it.
+        before = f.rss_kib()
+        socks = [socket.create_connection(("127.0.0.1", f.port), timeout=30) for _ in range(4)]
+        for s in socks:
+            s.sendall(head(length=100 << 20))
+        chunk = b"x" * (1 << 20)
+        for _ in range(40):
+            for s in socks:
+                s.sendall(chunk)
+        grown = f.rss_kib() - before
+        assert grown < 48 * 1024, f"the front grew by {grown} KiB while 160 MiB of bodies went through"
+    finally:
+        for s in socks:
+            s.close()
+        f.stop()
+
+
+def test_connection_cap_queues_evicts_idle_then_503(tmp_path: Path) -> None:
+    f = Front(tmp_path, routers=1, extra=["--max-connections", "3", "--header-timeout", "60"])
+    stuck: list[socket.socket] = []
+    try:
+        assert f.doc()["max_connections"] == 3
+        # Three clients that never finish a request head hold every slot: the next one waits briefly, then 503.
+        for _ in range(3):
+            stuck.append(socket.create_connection(("127.0.0.1", f.port), timeout=30))
+            stuck[-1].sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        got = f.raw(head(length=2) + b"{}")
+        assert got.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in got
+        for s in stuck:
+            s.close()
+        # Slots held by idle keep-alive connections are given to new clients: a healthy front refuses nobody.
+        conns = [http.client.HTTPConnection("127.0.0.1", f.port, timeout=30) for _ in range(3)]
+        for c in conns:
+            assert f.request("POST", "/v1/completions", {"prompt": "x"}, conn=c)[0] == 200
+        for _ in range(3):
+            assert f.request("POST", "/v1/completions", {"prompt": "y"})[0] == 200
+        for c in conns:
+            c.close()
+    finally:
+        for s in stuck:
+            s.close()
+        f.stop()
+
+
+def test_a_flood_under_a_low_file_limit_keeps_the_front_serving_and_its_log_small(tmp_path: Path) -> None:
+    """300 half-sent requests against a front allowed 256 open files (it was 1024 under systemd and the front
+    wrote ~20 MB/s of accept() tracebacks): a lowered cap, 408s and 503s, a log of a few lines, and then service."""
+    f = Front(tmp_path, routers=1, nofile=256, extra=["--header-timeout", "2"])
+    socks: list[socket.socket] = []
+    try:
+        cap = f.doc()["max_connections"]
+        assert 0 < cap < 1024 and f"connection cap lowered from 1024 to {cap}" in f.log_path.read_text()
+        for _ in range(300):
+            socks.append(socket.create_connection(("127.0.0.1", f.port), timeout=30))
+            socks[-1].sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+        answers = [read_all(s)[:12] for s in socks]
+        assert set(answers) <= {b"HTTP/1.1 408", b"HTTP/1.1 503"} and answers.count(b"HTTP/1.1 408") >= cap
+        assert f.request("POST", "/v1/completions", {"prompt": "x"})[0] == 200
+        log = f.log_path.read_text()
+        assert len(log) < 8000 and "Traceback" not in log, log[-3000:]
+    finally:
+        for s in socks:
+            s.close()
+        f.stop()
+
+
+def test_rate_limited_log_counts_what_it_leaves_out(capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("proxy_front_under_test", FRONT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    now = [1000.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+    for i in range(1000):
+        mod.warn("client 408", f"client 10.0.0.{i % 250}: 408")
+    mod.warn("router", "router 0 exited")
+    now[0] += mod.LOG_WINDOW
+    mod.warn("client 408", "client 10.0.0.1: 408")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == mod.LOG_BURST + 1 + 2
+    assert lines[-2] == f"proxy-front: ({1000 - mod.LOG_BURST} more 'client 408' line(s) left out in 10s)"
+
+
+@pytest.mark.skipif(not PY39.exists(), reason=f"no Python 3.9 at {PY39} (hosts' python3 on openEuler 22.03)")
+def test_front_on_python_3_9_reloads_and_stops_its_routers(tmp_path: Path) -> None:
+    f = Front(tmp_path, python=str(PY39))
+    try:
+        before = [r["pid"] for r in f.doc()["routers"]]
+        code, doc = f.reload(timeout=30)
+        assert code == 0 and doc["ok"], doc
+        assert all(r["pid"] not in before for r in f.doc()["routers"])
+        assert f.request("POST", "/v1/completions", {"prompt": "x"})[0] == 200
+    finally:
+        assert f.stop() == 0, f.log_path.read_text()[-2000:]
+    routers_gone(f)
 
 
 def test_routers_restart_when_the_watched_engine_ids_change(tmp_path: Path) -> None:

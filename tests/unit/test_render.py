@@ -181,6 +181,7 @@ def test_proxy_front_with_api_key_renders_the_key_path_never_the_key(tmp_path: P
     front, router = argv[:argv.index("--")], argv[argv.index("--") + 1:]
     assert front[:3] == ["python3", "/var/lib/kimi/bin/proxy_front.py", "run"]
     assert front[front.index("--api-key-file") + 1] == "/var/lib/kimi/secrets/proxy-api-key"
+    assert front[front.index("--admin-key-file") + 1] == "/var/lib/kimi/secrets/proxy-admin-key"
     assert [front[i + 1] for i, a in enumerate(front) if a == "--router"] == ["8001:8002", "8003:8004"]
     # Each copy gets its loopback --host/--port from the front; the rendered router command carries none.
     assert router[0] == "vllm-router" and "--port" not in router and "--host" not in router
@@ -202,3 +203,23 @@ def test_router_ports_follow_the_proxy_port_and_collisions_are_named(tmp_path: P
     clash = topo.model_copy(update={"proxy": Proxy(port=9000, router_port_base=7101)})
     with pytest.raises(PlanError, match=r"P/D router\(s\) behind the proxy \(ports 7101-7104\) collides with"):
         make_plan(inv, clash)
+
+
+def test_front_limits_come_from_the_topology_and_the_front_accepts_them() -> None:
+    import importlib.util
+
+    from kimictl.topology import Proxy
+
+    inv = load_inventory(ROOT / "inventories" / "a3-pd.yml")
+    topo = load_topology("a3-pd")
+    tuned = topo.model_copy(update={"proxy": Proxy(max_connections=4096, max_body_mib=16, header_timeout_s=5,
+                                                   io_timeout_s=60, idle_timeout_s=20)})
+    script = render(make_plan(inv, tuned), inv, tuned).files["a3-node-01"]["proxy/proxy.sh"]
+    argv = shlex.split(script.split("exec ", 1)[1].replace("\\\n", " "))
+    spec = importlib.util.spec_from_file_location("proxy_front_parser", ROOT / "kimictl" / "remote" / "proxy_front.py")
+    front = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(front)
+    args = front.parser().parse_args(argv[2:argv.index("--")])  # the front's own parser: no flag it does not know
+    assert (args.max_connections, args.max_body, args.header_timeout, args.io_timeout, args.idle_timeout) == (
+        4096, 16 * 2**20, 5.0, 60.0, 20.0)
+    assert args.admin_key_file == "/var/lib/kimi/secrets/proxy-admin-key" and args.api_key_file is None

@@ -13,31 +13,28 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from kimictl import deploy, rollout
+from kimictl import hostops
 from kimictl.cli.main import app
 from kimictl.errors import EXIT_INVALID, InvalidInput, InventoryError, TopologyError
 from kimictl.inventory import load_inventory
 from kimictl.plan import make_plan
 from kimictl.render import render
-from kimictl.rollout import (
+from kimictl.rollout import slices
+from kimictl.rollout.overrides import apply_sets, effective_topology_yaml, parse_set, parse_sets
+from kimictl.rollout.router import RouterAdmin, RouterError, wait_drained
+from kimictl.rollout.run import prepare_rollout
+from kimictl.rollout.slices import (
     Batch,
     Endpoint,
-    RouterAdmin,
-    RouterError,
     Slice,
     analyze,
-    apply_sets,
     choose_order,
     pair_problems,
-    parse_set,
-    parse_sets,
     pd_side,
     plan_batches,
-    prepare_rollout,
-    release_of,
     slices_of,
-    wait_drained,
 )
+from kimictl.state import release_id
 from kimictl.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -184,6 +181,10 @@ def test_shape_and_proxy_changes(base) -> None:
     assert a.proxy_changed and a.touched == [] and list(a.changed_hosts) == ["atlas-01"] and not a.problems
     old, new = _changed(base, "proxy.port=8001")
     assert any("proxy moves" in p for p in analyze(old, new).problems)
+    old, new = _changed(base, "proxy.max_body_mib=64")  # a front limit: a change of the proxy's command
+    a = analyze(old, new)
+    assert a.proxy_changed and a.touched == [] and not a.problems
+    assert "--max-body 67108864" in new.files["atlas-01"]["proxy/proxy.sh"]
 
 
 # --- P/D compatibility ---------------------------------------------------------------------------------------
@@ -220,7 +221,7 @@ def test_prefill_goes_first_when_only_that_order_is_compatible(base, monkeypatch
     old, new = _changed(base, "serve.seed=7")
     touched = analyze(old, new).touched
     # Pretend new decode cannot pull from old prefill, while new prefill serves old decode fine.
-    monkeypatch.setattr(rollout, "pair_problems",
+    monkeypatch.setattr(slices, "pair_problems",
                         lambda p, d: ["old P -> new D"] if (p.release, d.release) == ("old", "new") else [])
     assert choose_order(old, new, touched) == ("prefill", [])
     batches, _ = plan_batches(touched, slices_of(new), "prefill", canary=1, serial=1)
@@ -387,9 +388,18 @@ def test_drain_timeout_names_the_busy_endpoints_and_a_dead_one_counts_as_drained
 # --- the recorded release and the whole static half --------------------------------------------------
 
 
-def test_release_id_matches_deploy(base) -> None:
-    _, _, r = base
-    assert release_of(r.releases) == deploy._sha(*(f"{h}:{v}" for h, v in sorted(r.releases.items())))
+def test_release_id_is_the_one_deploy_and_rollout_record(base, tmp_path: Path, monkeypatch) -> None:
+    from kimictl.deploy import Deployer, DeployOptions
+    from kimictl.rollout.run import Rollout, RolloutOptions
+    from kimictl.state import ReleaseRecord
+
+    monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "state"))
+    inv, topo, r = base
+    rid = release_id(r.releases)
+    assert len(rid) == 16 and rid != release_id({**r.releases, "atlas-01": "other"})
+    assert Deployer(inv, r.plan, r, DeployOptions(), print).release == rid
+    ro = Rollout(inv, ReleaseRecord(release="old"), r, r, topo, [], RolloutOptions(), print)
+    assert ro.release == rid and ro.previous == "old"
 
 
 def _record_deploy(tmp_path: Path, inv_path: Path, monkeypatch) -> str:
@@ -401,7 +411,7 @@ def _record_deploy(tmp_path: Path, inv_path: Path, monkeypatch) -> str:
     run = state / "ro-unit" / "runs" / "x"
     run.mkdir(parents=True)
     (run / "rendered.json").write_text(r.model_dump_json())
-    rel = release_of(r.releases)
+    rel = release_id(r.releases)
     (state / "ro-unit" / "current.json").write_text(json.dumps({"release": rel, "hosts": r.releases,
                                                                 "run_dir": str(run), "result": "deployed"}))
     return rel
@@ -411,16 +421,16 @@ def test_prepare_rollout_uses_the_recorded_topology_and_applies_sets(tmp_path: P
     inv_path = _inventory(tmp_path)
     rel = _record_deploy(tmp_path, inv_path, monkeypatch)
     _, record, old, new, topo, sets = prepare_rollout(inv_path, None, ["decode.serve.max-num-seqs=16"])
-    assert record["release"] == rel and release_of(old.releases) == rel
+    assert record.release == rel and release_id(old.releases) == rel
     assert topo.roles["decode"].serve["max-num-seqs"] == 16 and [s.raw for s in sets] == [
         "decode.serve.max-num-seqs=16"]
     dec = next(e for e in new.engines if e.id == "decode-0-dp0")
     assert dec.argv[dec.argv.index("--max-num-seqs") + 1] == "16"
-    assert release_of(new.releases) != rel
+    assert release_id(new.releases) != rel
     # a rollout's effective topology (run_dir/topology.yml) becomes the default for the next one
-    (Path(record["run_dir"]) / "topology.yml").write_text(rollout.effective_topology_yaml(topo))
+    (Path(record.run_dir) / "topology.yml").write_text(effective_topology_yaml(topo))
     _, _, _, again, _, _ = prepare_rollout(inv_path, None, [])
-    assert release_of(again.releases) == release_of(new.releases)
+    assert release_id(again.releases) == release_id(new.releases)
 
 
 runner = CliRunner()
@@ -446,7 +456,7 @@ def test_cli_bad_set_is_exit_2_before_touching_anything(tmp_path: Path, monkeypa
 def test_cli_refuses_an_incompatible_change_before_touching_hosts(tmp_path: Path, monkeypatch) -> None:
     inv_path = _inventory(tmp_path)
     _record_deploy(tmp_path, inv_path, monkeypatch)
-    monkeypatch.setattr(rollout, "observe", lambda *a, **k: pytest.fail("hosts were contacted"))
+    monkeypatch.setattr(hostops, "observe", lambda *a, **k: pytest.fail("hosts were contacted"))
     for items, needle in ((["kimi_vllm_ascend_version=0.18.0"], "incompatible"),
                           (["decode.tp=8", "decode.dp=2"], "slice by slice"),
                           (["proxy.policy=random"], "--allow-proxy-restart")):

@@ -121,11 +121,33 @@ def test_boot_script_mounts_private_dirs_and_execs_sshd(tmp_path):
         assert f"lowerdir={d}," in script
     assert "hostname atlas-01" in script and "/tmp" not in script.replace(str(tmp_path), "")
     assert script.rstrip().splitlines()[-1].startswith("exec /usr/sbin/sshd -D")
+    # the site's npu-exporter (the double) starts once the host's own /usr/local is mounted, on the host's IP
+    lines = script.splitlines()
+    exporter = next(i for i, line in enumerate(lines) if "npu-exporter" in line)
+    assert exporter > next(i for i, line in enumerate(lines) if "lowerdir=/usr/local," in line)
+    assert f"/usr/local/bin/npu-exporter -ip={h.ip} -port=8082 " in lines[exporter] and lines[exporter].endswith("&")
     loop = layout.plan_hosts(1, "atlas-800-a3", "loopback", 0, tmp_path)[0]
     assert "mount -t" not in boot_script(loop, tmp_path, "loopback")
     cfg = sshd_config(loop, tmp_path, {"KIMI_SIM_DIR": str(loop.sim_dir)})
     assert "PasswordAuthentication no" in cfg and f"SetEnv KIMI_SIM_DIR={loop.sim_dir}" in cfg
     assert "ListenAddress 127.10.0.1:22001" in cfg
+
+
+def test_boot_script_carries_a_floor_python_under_root_past_the_hosts_fresh_root(tmp_path):
+    """pyenv's 3.9 lives under /root, which the host covers with a fresh tmpfs: it is carried past it read-only to
+    the same path (libpython is found by its install path); /usr/local/bin/python3 points at it."""
+    h = layout.plan_hosts(1, "atlas-800-a3", "netns", 0, tmp_path)[0]
+    py = {"path": "/root/.pyenv/versions/3.9.18/bin/python3.9", "version": "3.9.18",
+          "prefix": "/root/.pyenv/versions/3.9.18"}
+    lines = boot_script(h, tmp_path, "netns", py).splitlines()
+    order = [next(i for i, ln in enumerate(lines) if ln.startswith(x)) for x in (
+        "mount -t overlay overlay -o 'lowerdir=/usr/local,",
+        "mount --bind '/root/.pyenv/versions/3.9.18' /run/kimi-python", "mount -o remount,bind,ro /run/kimi-python",
+        "mount -t tmpfs -o mode=700,size=256m tmpfs /root", "mkdir -p '/root/.pyenv/versions/3.9.18'",
+        "mount --move /run/kimi-python '/root/.pyenv/versions/3.9.18'", "exec /usr/sbin/sshd")]
+    assert order == sorted(order)
+    for visible in (None, {**py, "prefix": "/usr"}):   # nothing to carry
+        assert "/run/kimi-python" not in boot_script(h, tmp_path, "netns", visible)
 
 
 @pytest.mark.parametrize("bad", ["/etc/sb", "/var/lib/kimi-sb", "/opt", "/usr/local/sb", "/root/sb"])

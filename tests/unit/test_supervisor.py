@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from kimictl import supervisor as sv
+from kimictl.remote import supervisor as sv
 
 SUP = Path(sv.__file__).resolve()
 PY = sys.executable
-# Hosts run it with their own /usr/bin/python3: KIMICTL_SUPERVISOR_PYTHON=/path/python3.9 checks another one.
-SUP_PY = os.environ.get("KIMICTL_SUPERVISOR_PYTHON", PY)
+# Hosts run it with their own python3: KIMICTL_HOST_PYTHON=/path/python3.9 checks another one (scripts/test.sh).
+SUP_PY = os.environ.get("KIMICTL_HOST_PYTHON") or PY
 
 # Children get the test's marker as argv[1] (and hand it to their own children) so teardown can find them.
 SLEEPER = """

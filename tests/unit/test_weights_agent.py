@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from kimictl.errors import InvalidInput
-from kimictl.weights import agent as agent_mod
-from kimictl.weights.agent import Agent, file_digest, rsync_serve, unsafe_name
-from kimictl.weights.checkpoint import checkpoint_manifest, generate_checkpoint
+from kimictl.remote import weights_agent as agent_mod
+from kimictl.remote.weights_agent import Agent, file_digest, parse_peer_command, rsync_serve, unsafe_name
+from kimictl.sandbox.checkpoint import checkpoint_manifest, generate_checkpoint
 from kimictl.weights.manifest import local_manifest, unsafe_reason
 from kimictl.weights.stage import HubQueue, agent_command, read_token
 
@@ -146,27 +146,146 @@ def test_events_never_carry_the_token(tmp_path, manifest):
     assert "tok-abc" not in t.out.getvalue()
 
 
+GOOD = "rsync --server --sender -Re.LsfxCIvu --timeout=60 . "
+
+
 @pytest.mark.parametrize(("command", "ok"), [
-    ("rsync --server --sender -e.LsfxCIvu . quant_model_weights-00001-of-00003.safetensors", True),
-    ("rsync --server --sender -e.LsfxCIvu --timeout=60 . docs/deploy_guidance.md", True),
-    ("rsync --server -e.LsfxCIvu . config.json", False),            # a receiver would write
-    ("rsync --server --sender -e.LsfxCIvu . ../../etc/shadow", False),
-    ("rsync --server --sender -e.LsfxCIvu . /etc/shadow", False),
-    ("rsync --server --sender --remove-source-files . config.json", False),
+    (GOOD + "quant_model_weights-00001-of-00003.safetensors", True),
+    (GOOD + "docs/deploy_guidance.md config.json", True),
+    ("rsync --server --sender -Re31.14iLsfxC --timeout=60 . config.json", True),   # a pre-release protocol
+    (GOOD + "dir/a\\ b.json", True),   # rsync >= 3.2.4 backslash-escapes names
+    # options of any kind, wherever they stand: --log-file appends to any file as root (-> code execution)
+    ("rsync --server --sender -Re.LsfxCIvu --timeout=60 --log-file=/tmp/x . config.json", False),
+    (GOOD + "--log-file=/tmp/x config.json", False),   # after '.', rsync still reads options
+    (GOOD + "config.json --log-file=/tmp/x --log-file-format=%f", False),
+    ("rsync --server --sender -Re.LsfxCIvu --timeout=60 --log-file /tmp/x . config.json", False),
+    ("rsync --server --sender -Re.LsfxCIvu --log-file=/tmp/x --timeout=60 . config.json", False),
+    ("rsync --server --sender -e.LsfxCIvu --timeout=60 . config.json", False),       # not kimictl's flags
+    ("rsync --server --sender -vRe.LsfxCIvu --timeout=60 . config.json", False),
+    ("rsync --server --sender -RMe.Lsf --timeout=60 . config.json", False),
+    ("rsync --server --sender -Re.Lsf/x --timeout=60 . config.json", False),
+    ("rsync --server --sender -Re.LsfxCIvu --timeout=600 . config.json", False),
+    ("rsync --server --sender -Re.LsfxCIvu --timeout=60 --remove-source-files . config.json", False),
+    ("rsync --server --sender -Re.LsfxCIvu . config.json", False),
+    ("rsync --server --sender -Re.LsfxCIvu --timeout=60 'x' . config.json", False),
+    ("rsync --server --sender -Re.LsfxCIvu --timeout=60 .", False),                   # no name
+    ("rsync --server -Re.LsfxCIvu --timeout=60 . config.json", False),                # a receiver would write
+    # names that leave the model directory
+    (GOOD + "../../etc/shadow", False),
+    (GOOD + "/etc/shadow", False),
+    (GOOD + "a/../../b", False),
+    (GOOD + "a/./b", False),
+    (GOOD + "~root/.ssh/id_rsa", False),
+    (GOOD + "a\x0bb", False),
+    (GOOD + "'a'\"b\"/../x", False),
+    (GOOD + "'unterminated", False),
     ("sh -c id", False),
     ("", False),
 ])
-def test_peer_key_only_serves_read_only_rsync_inside_the_model_dir(monkeypatch, tmp_path, command, ok):
+def test_peer_key_runs_only_kimictls_own_read_only_rsync(monkeypatch, tmp_path, command, ok):
     ran = []
     monkeypatch.setenv("SSH_ORIGINAL_COMMAND", command)
-    monkeypatch.setattr(os, "execvp", lambda prog, argv: ran.append((prog, argv, os.getcwd())) or 0)
+    monkeypatch.setattr(os, "execvpe", lambda prog, argv, env: ran.append((prog, argv, os.getcwd(), env)) or 0,
+                        raising=False)
+    monkeypatch.setattr(os, "execvp", lambda prog, argv: ran.append((prog, argv, os.getcwd(), None)) or 0)
     monkeypatch.chdir(tmp_path)
-    rc = rsync_serve(str(tmp_path))
-    assert bool(ran) == ok
-    if not ok:
-        assert rc == 1
+    (tmp_path / "m").mkdir()
+    log = tmp_path / "logs" / "weights-peer.log"
+    rc = rsync_serve(str(tmp_path / "m"), str(log))
+    assert bool(ran) == ok, ran
+    if ok:
+        _, argv, cwd, env = ran[0]
+        assert cwd == str(tmp_path / "m")
+        assert argv[:6] == ["rsync", "--server", "--sender", argv[3], "--timeout=60", "."]
+        assert env == {"PATH": os.environ["PATH"]}   # nothing else from the SSH session reaches rsync
+        assert not log.exists()
     else:
-        assert ran[0][2] == str(tmp_path) and ran[0][1][:3] == ["rsync", "--server", "--sender"]
+        assert rc == 1
+        assert "refused rsync arguments" in log.read_text()   # the refusal leaves a trace on the host
+        assert oct(log.stat().st_mode & 0o777) == "0o600"
+
+
+def test_peer_key_parser_accepts_exactly_what_kimictls_fetch_sends(tmp_path):
+    """The forced command and the fetch must agree: run the real rsync client with peer_fetch_command's options
+    and hand what it would send to the holder to the parser."""
+    import subprocess
+
+    fake_ssh = tmp_path / "ssh"
+    # rsync runs `ssh -l USER HOST WORDS...`; sshd joins the words with spaces into SSH_ORIGINAL_COMMAND
+    fake_ssh.write_text(f'#!/bin/sh\nshift 3\nprintf %s "$*" > {tmp_path}/sent\nexit 1\n')
+    fake_ssh.chmod(0o755)
+    op = {"paths": ["config.json", "sub dir/w-00001.safetensors", "x'y.json"], "key": str(tmp_path / "k"),
+          "known_hosts": str(tmp_path / "kh"), "peer": {"name": "h2", "address": "10.0.0.2", "port": 22,
+                                                       "user": "root"}}
+    cmd = agent_mod.peer_fetch_command(op, tmp_path / "dst")
+    cmd[cmd.index("-e") + 1] = str(fake_ssh)
+    subprocess.run(cmd, capture_output=True, timeout=30, check=False)
+    sent = (tmp_path / "sent").read_text()
+    argv, why = parse_peer_command(sent)
+    assert argv is not None, (sent, why)
+    assert argv[6:] == op["paths"]
+
+
+def test_peer_key_line_is_limited_to_the_cluster_and_expires(tmp_path, monkeypatch):
+    """The line kimictl installs: restrict, from= the hosts' addresses, the forced command, an expiry the host's
+    sshd reads in its own time; renewing moves only the expiry."""
+    import time
+    from types import SimpleNamespace
+
+    from kimictl.weights.stage import Stager
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    links = {"h1": SimpleNamespace(address="10.0.0.1"), "h3": SimpleNamespace(address="10.0.0.3")}
+    stager = SimpleNamespace(peer_sources={"10.0.0.2", "10.0.0.1"}, links=links,
+                             c=SimpleNamespace(kimi_python="python3", kimi_model_dir="/m"))
+    line = Stager.authorized_line(stager, "/var/lib/kimi", "ssh-ed25519 AAAA kimictl-weights:c1")
+    assert line.startswith('restrict,from="10.0.0.1,10.0.0.2,10.0.0.3",command="python3 -I -S '
+                           '/var/lib/kimi/weights/kimi_weights_agent.py rsync-serve /m '
+                           '/var/lib/kimi/logs/weights-peer.log" ssh-ed25519 AAAA kimictl-weights:c1')
+    agent_mod.install_peer_key({"key_dir": str(tmp_path / "kd"), "model_dir": str(tmp_path / "m"),
+                                "agent_src": "#", "peer_key": "k", "known_hosts": "", "key_comment":
+                                "kimictl-weights:c1", "authorized_line": line})
+    keys = tmp_path / ".ssh" / "authorized_keys"
+    (installed,) = keys.read_text().splitlines()
+    want = time.strftime("%Y%m%d%H%M", time.localtime(time.time() + agent_mod.KEY_TTL_S))
+    assert installed.startswith(f'restrict,expiry-time="{want}') and 'from="10.0.0.1,' in installed
+    assert oct(keys.stat().st_mode & 0o777) == "0o600"
+    agent_mod.renew_peer_key("kimictl-weights:c1", time.time() + 2 * agent_mod.KEY_TTL_S)
+    (renewed,) = keys.read_text().splitlines()
+    later = time.strftime("%Y%m%d%H%M", time.localtime(time.time() + 2 * agent_mod.KEY_TTL_S))
+    assert f'expiry-time="{later}' in renewed and renewed.count("expiry-time") == 1
+    assert renewed.split('",', 1)[1] == installed.split('",', 1)[1]
+
+
+def test_stale_peer_key_is_removed_and_reported_unless_a_pull_holds_it(tmp_path, manifest, monkeypatch):
+    """A killed run leaves its key behind: the next hello (status, verify, pull) removes it and says so; the key
+    of a pull that is running (it holds the directory's lock) is reported, never removed."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    comment = "kimictl-weights:c1"
+    keys = tmp_path / ".ssh" / "authorized_keys"
+
+    def install() -> None:
+        (tmp_path / "kd").mkdir(exist_ok=True)
+        keys.parent.mkdir(exist_ok=True)
+        keys.write_text("ssh-ed25519 BBBB admin@desk\n"
+                        f'restrict,expiry-time="20300102030405",command="x" ssh-ed25519 AAAA {comment}\n')
+
+    key_op = {"key_comment": comment, "key_dir": str(tmp_path / "kd")}
+    assert Talk(tmp_path / "m").hello(manifest, mode="stat", key_comment="kimictl-weights:other")["peer_key"] is None
+    running = Talk(tmp_path / "m")
+    running.hello(manifest, pull=True, holder={"what": "weights pull", "user": "ana"}, **key_op)
+    install()   # what the pull's prepare step does
+    ev = Talk(tmp_path / "m").hello(manifest, mode="stat", **key_op)
+    assert ev["peer_key"]["state"] == "in use" and ev["peer_key"]["holder"]["user"] == "ana"
+    assert ev["peer_key"]["expires"] == "2030-01-02 03:04:05" and comment in keys.read_text()
+    os.close(running.agent.lock_fd)   # the pull was killed
+    ev = Talk(tmp_path / "m").hello(manifest, mode="stat", **key_op)
+    assert ev["peer_key"] == {"state": "removed", "expires": "2030-01-02 03:04:05", "lines": 1}
+    assert keys.read_text() == "ssh-ed25519 BBBB admin@desk\n" and not (tmp_path / "kd").exists()
+    assert Talk(tmp_path / "m").hello(manifest, mode="stat", **key_op)["peer_key"] is None
+    install()   # a new pull finds a dead run's key: it is not its own, so it goes
+    ev = Talk(tmp_path / "m").hello(manifest, pull=True, holder={}, **key_op)
+    assert ev["peer_key"]["state"] == "removed" and comment not in keys.read_text()
 
 
 def test_hub_queue_keeps_every_host_pulling_until_no_file_is_left():
@@ -203,17 +322,24 @@ def test_hub_queue_lanes_never_share_a_download_area():
     assert q.take("a") == ("z", 0)   # the lane x freed, not one y still downloads into
 
 
-def test_agent_boots_from_stdin_without_being_installed(tmp_path, ckpt, manifest):
+def test_agent_boots_from_stdin_without_being_installed(tmp_path, ckpt, manifest, host_python):
     import subprocess
 
-    cmd = agent_command("python3", str(tmp_path / "m"))
+    cmd = agent_command(host_python, str(tmp_path / "m"))
     src = json.dumps(Path(agent_mod.__file__).read_text())
-    hello = json.dumps({"op": "hello", "manifest": manifest, "digest": "d", "mode": "stat"})
-    out = subprocess.run(["sh", "-c", cmd], input=f"{src}\n{hello}\n", capture_output=True, text=True, timeout=30,
-                         check=False)
-    ev = json.loads(out.stdout.splitlines()[0])
-    assert ev["ev"] == "state" and len(ev["missing"]) == len(manifest["files"]), out.stderr
+
+    def hello(mode: str) -> dict:
+        op = json.dumps({"op": "hello", "manifest": manifest, "digest": "d", "mode": mode})
+        out = subprocess.run(["sh", "-c", cmd], input=f"{src}\n{op}\n", capture_output=True, text=True, timeout=30,
+                             check=False)
+        return json.loads(out.stdout.splitlines()[0]) if out.stdout else {"stderr": out.stderr}
+
+    ev = hello("stat")
+    assert ev.get("ev") == "state" and len(ev["missing"]) == len(manifest["files"]), ev
     assert not (tmp_path / "m").exists()   # status/verify change nothing on a host without a checkpoint
+    shutil.copytree(ckpt, tmp_path / "m")   # the host's python3 (the floor's in scripts/test.sh) hashes them
+    ev = hello("full")
+    assert ev.get("ev") == "state" and sorted(ev["have"]) == sorted(f["path"] for f in manifest["files"]), ev
 
 
 def test_token_file_must_be_private(tmp_path, monkeypatch):
@@ -230,7 +356,7 @@ def test_token_file_must_be_private(tmp_path, monkeypatch):
     assert read_token("modelscope", None) is None
 
 
-def test_forced_command_serves_before_the_agents_imports_and_keeps_escaped_names(tmp_path):
+def test_forced_command_serves_before_the_agents_imports_and_keeps_escaped_names(tmp_path, host_python):
     """The peer key's forced command runs once per transfer, so it must not pay for the agent's imports; names
     that rsync backslash-escapes still reach rsync whole, and refusals are the same as in-process."""
     import subprocess
@@ -243,18 +369,19 @@ def test_forced_command_serves_before_the_agents_imports_and_keeps_escaped_names
     fake.chmod(0o755)
 
     def serve(command: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["python3", "-I", "-S", "-X", "importtime", agent_mod.__file__, "rsync-serve",
-                               str(model)], capture_output=True, text=True, timeout=30, check=False,
-                              env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SSH_ORIGINAL_COMMAND": command})
+        return subprocess.run([host_python, "-I", "-S", "-X", "importtime", agent_mod.__file__, "rsync-serve",
+                               str(model), str(tmp_path / "refused.log")], capture_output=True, text=True, timeout=30,
+                              check=False, env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SSH_ORIGINAL_COMMAND": command})
 
-    ok = serve("rsync --server --sender -e.LsfxCIvu --timeout=60 . config.json a\\ b/c\\ d.json")
+    ok = serve("rsync --server --sender -Re.LsfxCIvu --timeout=60 . config.json a\\ b/c\\ d.json")
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.splitlines() == [str(model), "[--server]", "[--sender]", "[-e.LsfxCIvu]", "[--timeout=60]",
+    assert ok.stdout.splitlines() == [str(model), "[--server]", "[--sender]", "[-Re.LsfxCIvu]", "[--timeout=60]",
                                       "[.]", "[config.json]", "[a b/c d.json]"]
     for heavy in ("concurrent.futures", "subprocess", "hashlib", "json"):
         assert f"| {heavy}\n" not in ok.stderr, heavy
-    for bad in ("rsync --server --sender -e.LsfxCIvu . a\x0bb", "rsync --server --sender -e.x . a/\\.\\./b",
-                "rsync --server --sender --timeout=6x . config.json", "rsync --server --sender . 'a'\"b\"/../x"):
+    for bad in (GOOD + "a\x0bb", GOOD + "a/\\.\\./b", "rsync --server --sender -Re.x --timeout=6x . config.json",
+                GOOD + "'a'\"b\"/../x", GOOD + "--log-file=/tmp/x config.json"):
         refused = serve(bad)
         assert refused.returncode == 1 and not refused.stdout, bad
         assert "refused rsync arguments" in refused.stderr
+    assert len((tmp_path / "refused.log").read_text().splitlines()) == 5

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from kimictl.errors import EXIT_INVALID, InvalidInput
+from kimictl.sandbox.checkpoint import DESCRIPTION_NAME, INDEX_NAME, checkpoint_manifest, generate_checkpoint
+from kimictl.sandbox.fakehub import MALICIOUS_NAMES, FakeHub
 from kimictl.weights import manifest as wm
-from kimictl.weights.checkpoint import DESCRIPTION_NAME, INDEX_NAME, checkpoint_manifest, generate_checkpoint
-from kimictl.weights.fakehub import MALICIOUS_NAMES, FakeHub
 from kimictl.weights.manifest import (
     FileEntry,
     HubAuthError,
@@ -32,9 +32,6 @@ from kimictl.weights.manifest import (
     fetch_small,
     local_manifest,
 )
-
-pytest.importorskip("modelscope_hub")
-pytest.importorskip("huggingface_hub")
 
 REPO = "Eco-Tech/Kimi-K2.5-W4A8"
 TOKEN = "tok-5e4d3c2b1a-manifest"

@@ -1,6 +1,7 @@
 """A stand-in for vllm-router in the proxy front's tests: parses the flags the front gives it (the last one wins,
 like argparse), answers /health, /workers, /whoami and /v1/completions (slowly with ?slow, streamed with
-"stream": true), and on SIGTERM stops listening and finishes in-flight requests, as vllm-router does.
+"stream": true), drops a worker on `POST /remove_worker?url=` (vllm-router's admin API) or `POST /instances/remove`
+(vllm-ascend's proxy's), and on SIGTERM stops listening and finishes in-flight requests, as vllm-router does.
 With FAKE_ROUTER_FAIL_FILE set and that file present it exits at once (a router that cannot start); with
 FAKE_ROUTER_DROP_EVERY=N it closes a keep-alive connection without an answer on every Nth request (the race of a
 router closing an idle connection just as a request arrives)."""
@@ -13,6 +14,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.parse
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--host", default="127.0.0.1")
@@ -21,6 +23,7 @@ ap.add_argument("--prometheus-port", type=int)
 ap.add_argument("--policy")
 args, _ = ap.parse_known_args()
 
+WORKERS = ["http://10.0.0.1:7100", "http://10.0.0.2:7100"]
 DROP_EVERY = int(os.environ.get("FAKE_ROUTER_DROP_EVERY", "0"))
 fail = os.environ.get("FAKE_ROUTER_FAIL_FILE")
 if fail and os.path.exists(fail):
@@ -54,7 +57,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         if self.path == "/health":
             self.reply(200, {"ok": True})
         elif self.path == "/workers":
-            self.reply(200, {"workers": [{"url": "http://10.0.0.1:7100", "worker_type": "prefill"}]})
+            self.reply(200, {"workers": [{"url": u, "worker_type": "prefill"} for u in WORKERS]})
         elif self.path.startswith("/whoami"):
             self.reply(200, {"port": args.port, "pid": os.getpid(), "path": self.path,
                              "auth": self.headers.get("Authorization")})
@@ -62,10 +65,24 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.reply(404, {"error": self.path})
 
     def do_POST(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        # Counted, kept only when small: a test streams hundreds of MiB through.
+        want, got, body = int(self.headers.get("Content-Length", 0)), 0, b""
+        while got < want:
+            chunk = self.rfile.read(min(want - got, 1 << 20))
+            if not chunk:
+                self.close_connection = True
+                return  # the front gave up on this request (its client was too slow or went away)
+            got += len(chunk)
+            body = body + chunk if want <= 1 << 20 else b""
         self.served = getattr(self, "served", 0) + 1
         if DROP_EVERY and self.served % DROP_EVERY == 0:
             self.close_connection = True
+            return
+        url = urllib.parse.urlsplit(self.path)
+        if url.path in ("/remove_worker", "/instances/remove"):
+            gone = urllib.parse.parse_qs(url.query).get("url") or json.loads(body or b"{}").get("instances", [])
+            WORKERS[:] = [u for u in WORKERS if u not in gone]
+            self.reply(200, {"workers": WORKERS})
             return
         doc = json.loads(body or b"{}")
         if "slow" in self.path:
@@ -82,7 +99,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 time.sleep(0.05)
             self.wfile.write(b"0\r\n\r\n")
             return
-        self.reply(200, {"choices": [{"text": f"router {args.port}"}], "echo_bytes": len(body)})
+        self.reply(200, {"choices": [{"text": f"router {args.port}"}], "echo_bytes": got})
 
 
 class Server(http.server.ThreadingHTTPServer):

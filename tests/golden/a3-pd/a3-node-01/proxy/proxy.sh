@@ -8,6 +8,12 @@ exec python3 /var/lib/kimi/bin/proxy_front.py run \
   --state /var/lib/kimi/run/proxy-front/state.json \
   --router 8001:8002 \
   --router 8003:8004 \
+  --admin-key-file /var/lib/kimi/secrets/proxy-admin-key \
+  --max-connections 1024 \
+  --max-body 268435456 \
+  --header-timeout 10 \
+  --io-timeout 30 \
+  --idle-timeout 75 \
   -- vllm-router \
   --policy round_robin \
   --vllm-pd-disaggregation \

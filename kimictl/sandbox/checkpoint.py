@@ -523,7 +523,7 @@ def read_safetensors_header(path: Path | str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kimictl.weights.checkpoint", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kimictl.sandbox.checkpoint", description=__doc__)
     ap.add_argument("dest", type=Path)
     ap.add_argument("--size", default="512MiB", help="approximate total size, e.g. 512MiB, 1GiB (default 512MiB)")
     ap.add_argument("--shards", type=int, default=32)

@@ -17,7 +17,10 @@ from __future__ import annotations
 import os
 import sys
 
-_RSYNC_OPT_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz.")
+# The peer key's forced command accepts exactly what peer_fetch_command makes rsync send to the holder:
+#   rsync --server --sender -Re<capabilities> --timeout=<PEER_RSYNC_TIMEOUT> . NAME...
+PEER_RSYNC_TIMEOUT = 60
+REFUSAL_LOG_MAX = 1 << 20   # the refusal log stops growing here (a key holder may knock as often as it likes)
 
 
 def unsafe_name(path: str) -> str | None:
@@ -42,39 +45,92 @@ def unsafe_name(path: str) -> str | None:
     return None
 
 
-def _rsync_opt_ok(opt: str) -> bool:
-    """-[A-Za-z.]+ (rsync's single-letter flags and -e.xyz capabilities) or --timeout=N."""
-    if opt.startswith("--timeout="):
-        return opt[10:].isascii() and opt[10:].isdigit()
-    return len(opt) > 1 and opt[0] == "-" and set(opt[1:]) <= _RSYNC_OPT_CHARS
+def _flags_ok(word: str) -> bool:
+    """-R (kimictl's only short option) then rsync's -e capability string: "." or "<proto>.<sub>", then letters."""
+    if not word.startswith("-Re"):
+        return False
+    proto, dot, caps = word[3:].partition(".")
+    if dot != "." or not (proto == "" or (proto.isascii() and proto.isdigit())):
+        return False
+    caps = caps.lstrip("0123456789") if proto else caps
+    return caps == "" or (caps.isascii() and caps.isalpha())
 
 
-def rsync_serve(model_dir: str) -> int:
-    """Forced command of the peer key: only `rsync --server --sender` of relative names inside model_dir."""
-    cmd = os.environ.get("SSH_ORIGINAL_COMMAND", "")
+def parse_peer_command(cmd: str) -> tuple[list[str] | None, str]:
+    """(the rsync argv to run, "") for an SSH_ORIGINAL_COMMAND kimictl's own peer fetch sends, else (None, why).
+
+    Nothing else passes: no other option (--log-file, --remove-source-files, a receiver...), no name that is
+    absolute, climbs out with '..', starts with '-' (rsync would read it as an option) or holds a control character.
+    """
     if any(c in cmd for c in "\\'\""):   # rsync escaped a name: let shlex undo it exactly
         import shlex
-        words = shlex.split(cmd)
+        try:
+            words = shlex.split(cmd)
+        except ValueError as exc:
+            return None, f"unparsable command ({exc})"
     else:
-        words = cmd.replace("\t", " ").replace("\r", " ").replace("\n", " ").split(" ")
-        words = [w for w in words if w]
-    if words[:3] != ["rsync", "--server", "--sender"] or "." not in words:
-        sys.stderr.write("kimi weights: this key only serves read-only rsync of the model directory\n")
-        return 1
-    dot = words.index(".")
-    opts, paths = words[3:dot], words[dot + 1:]
-    bad = [o for o in opts if not _rsync_opt_ok(o)] + [p for p in paths if unsafe_name(p)]
-    if bad or not paths:
-        sys.stderr.write(f"kimi weights: refused rsync arguments {bad or ['(no path)']}\n")
-        return 1
-    os.chdir(model_dir)
-    os.execvp("rsync", words)
+        words = [w for w in cmd.replace("\t", " ").replace("\r", " ").replace("\n", " ").split(" ") if w]
+    head = ["rsync", "--server", "--sender"]
+    if words[:3] != head:
+        return None, "not a read-only rsync (rsync --server --sender)"
+    if len(words) < 7:
+        return None, "too few arguments"
+    flags, timeout, dot, names = words[3], words[4], words[5], words[6:]
+    if not _flags_ok(flags):
+        return None, f"option {flags!r}"
+    if timeout != f"--timeout={PEER_RSYNC_TIMEOUT}":
+        return None, f"option {timeout!r}"
+    if dot != ".":
+        return None, f"argument {dot!r} where '.' belongs"
+    for name in names:
+        why = "leading '-'" if name.startswith("-") else unsafe_name(name)
+        if why:
+            return None, f"name {name!r}: {why}"
+    return [*head, flags, timeout, ".", *names], ""
+
+
+def _refuse(why: str, cmd: str, log: str | None) -> int:
+    """Tell the caller, and leave a trace on this host: syslog (auth) and the refusal log (kimictl logs bundle)."""
+    import syslog
+    import time
+
+    client = os.environ.get("SSH_CLIENT", "?").split(" ")[0]
+    text = f"kimi weights: peer key from {client}: refused rsync arguments ({why}): {cmd[:400]!r}"
+    sys.stderr.write(text + "\n")
+    syslog.openlog("kimictl-weights", 0, syslog.LOG_AUTH)
+    syslog.syslog(syslog.LOG_WARNING, text)
+    if log:
+        try:
+            os.makedirs(os.path.dirname(log), 0o755, exist_ok=True)
+            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                if os.fstat(fd).st_size < REFUSAL_LOG_MAX:
+                    os.write(fd, f"{time.strftime('%Y-%m-%dT%H:%M:%S%z')} {text}\n".encode(errors="replace"))
+            finally:
+                os.close(fd)
+        except OSError:
+            pass   # syslog and the caller have it
+    return 1
+
+
+def rsync_serve(model_dir: str, log: str | None = None) -> int:
+    """Forced command of the peer key: only kimictl's own read-only rsync of names inside model_dir."""
+    cmd = os.environ.get("SSH_ORIGINAL_COMMAND", "")
+    argv, why = parse_peer_command(cmd)
+    if argv is None:
+        return _refuse(why, cmd, log)
+    root = os.path.realpath(model_dir)
+    for name in argv[6:]:   # a symlink inside the directory must not lead out of it
+        if not os.path.realpath(os.path.join(root, name)).startswith(root + os.sep):
+            return _refuse(f"name {name!r} resolves outside {model_dir}", cmd, log)
+    os.chdir(root)
+    os.execvpe("rsync", argv, {"PATH": os.environ.get("PATH") or "/usr/bin:/bin"})
     return 1  # pragma: no cover
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["rsync-serve"] and len(sys.argv) == 3:
+if __name__ == "__main__" and sys.argv[1:2] == ["rsync-serve"] and len(sys.argv) in (3, 4):
     # the forced command runs once per peer transfer: serve before importing the rest (~100 ms of CPU each)
-    sys.exit(rsync_serve(sys.argv[2]))
+    sys.exit(rsync_serve(*sys.argv[2:]))
 
 import fcntl  # noqa: E402
 import hashlib  # noqa: E402
@@ -83,6 +139,7 @@ import re  # noqa: E402
 import shlex  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
+import socket  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -93,6 +150,10 @@ STAGING = ".kimi-staging"
 STAMPS = ".kimi-stamps.json"
 MARKER = ".kimi-complete"
 LOCK = ".kimi-lock"
+# The run's peer key expires this long after it was installed or last renewed; the agent of a running pull renews
+# it every KEY_RENEW_S, so a key outlives a killed run by at most KEY_TTL_S (and only until a weights command).
+KEY_TTL_S = 3600
+KEY_RENEW_S = 600
 BLOCK = 8 << 20
 PROGRESS_EVERY_S = 0.5
 # AES-GCM runs on AES-NI / ARMv8 crypto at several GB/s; chacha20 is the fallback for CPUs without them
@@ -222,13 +283,16 @@ class Agent:
                 return
         if op.get("pull") and not self._lock(op.get("holder") or {}):
             return
+        peer_key = self._stale_peer_key(op)
+        if op.get("pull") and op.get("key_comment"):
+            threading.Thread(target=self._renew_peer_key, args=(op["key_comment"],), daemon=True).start()
         self._load_stamps()
         results: dict[str, list[str]] = {"ok": [], "missing": [], "bad": [], "unverified": []}
         read = 0
         if self.dir.is_dir():
             with ThreadPoolExecutor(self.threads) as pool:
                 for path, (state, n) in zip(self.manifest, pool.map(lambda p: self._check_one(p, op["mode"]),
-                                                                     self.manifest), strict=True):
+                                                                     self.manifest)):
                     results[state].append(path)
                     read += n
         else:
@@ -246,7 +310,39 @@ class Agent:
             self._save_stamps()
         self.emit(ev="state", have=results["ok"], missing=results["missing"], bad=results["bad"],
                   unverified=results["unverified"], complete=complete, marker=marker, bytes_read=read,
-                  seconds=round(time.monotonic() - t0, 3))
+                  seconds=round(time.monotonic() - t0, 3), peer_key=peer_key,
+                  sources=source_addresses(op.get("peers") or []))
+
+    def _stale_peer_key(self, op: dict) -> dict | None:
+        """The cluster's peer key when one is installed here: removed unless a running pull holds this directory.
+
+        A pull's agents take their key away when every host is complete; a killed run leaves it behind, and the
+        next weights command that talks to this host (pull, verify, status; deploy pulls) removes it.
+        """
+        comment = op.get("key_comment")
+        lines = peer_key_lines(comment) if comment else []
+        if not lines:
+            return None
+        report = {"expires": expiry_of(lines[0]), "lines": len(lines)}
+        holder = None if self.lock_fd is not None else lock_holder(self.dir / LOCK)
+        if holder is not None:   # a running pull's own key
+            return {**report, "state": "in use", "holder": holder}
+        try:
+            authorize(comment, None)
+            if op.get("key_dir"):
+                shutil.rmtree(op["key_dir"], ignore_errors=True)
+        except OSError as exc:
+            return {**report, "state": "present", "error": f"cannot remove it: {exc}"}
+        return {**report, "state": "removed"}
+
+    def _renew_peer_key(self, comment: str) -> None:
+        """While this pull runs, push its key's expiry forward (the key is installed after hello, by Ansible)."""
+        while True:
+            time.sleep(KEY_RENEW_S)
+            try:
+                renew_peer_key(comment, time.time() + KEY_TTL_S)
+            except OSError as exc:
+                self.emit(ev="warning", message=f"cannot renew the peer key's expiry: {exc}")
 
     def _marker(self) -> dict:
         try:
@@ -356,15 +452,7 @@ class Agent:
         paths, peer, t0 = op["paths"], op["peer"], time.monotonic()
         root = self.stage / "peer"
         root.mkdir(parents=True, exist_ok=True)
-        addr = f"[{peer['address']}]" if ":" in peer["address"] else peer["address"]
-        ssh = shlex.join(["ssh", "-i", op["key"], "-p", str(peer["port"]),
-                          "-o", f"UserKnownHostsFile={op['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
-                          "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes", "-o", "ConnectTimeout=10",
-                          "-o", "ServerAliveInterval=15", *_multiplex(op["key"])])
-        # -R keeps each name's directories under the staging root; one remote host, several sources
-        sources = [f"{peer['user']}@{addr}:{paths[0]}", *(f":{p}" for p in paths[1:])]
-        cmd = ["rsync", "-R", "--partial", "--partial-dir=.kimi-partial", "--progress", "--timeout=60", "-e", ssh,
-               *sources, f"{root}/"]
+        cmd = peer_fetch_command(op, root)
         try:
             rc, tail = run_rsync(cmd, lambda p, n: self.emit(ev="progress", path=p, bytes=n), self.children, paths)
         except OSError as exc:
@@ -428,6 +516,21 @@ class Agent:
         os._exit(0)  # hub threads may still be blocked in the client; the lock goes with the process
 
 
+def peer_fetch_command(op: dict, root: Path) -> list[str]:
+    """rsync of op["paths"] from op["peer"] into root in one stream, with the run's key. The holder's forced command
+    accepts exactly what these options make rsync send (parse_peer_command): change one, change both."""
+    paths, peer = op["paths"], op["peer"]
+    addr = f"[{peer['address']}]" if ":" in peer["address"] else peer["address"]
+    ssh = shlex.join(["ssh", "-i", op["key"], "-p", str(peer["port"]),
+                      "-o", f"UserKnownHostsFile={op['known_hosts']}", "-o", "StrictHostKeyChecking=yes",
+                      "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes", "-o", "ConnectTimeout=10",
+                      "-o", "ServerAliveInterval=15", *_multiplex(op["key"])])
+    # -R keeps each name's directories under the staging root; one remote host, several sources
+    sources = [f"{peer['user']}@{addr}:{paths[0]}", *(f":{p}" for p in paths[1:])]
+    return ["rsync", "-R", "--partial", "--partial-dir=.kimi-partial", "--progress",
+            f"--timeout={PEER_RSYNC_TIMEOUT}", "-e", ssh, *sources, f"{root}/"]
+
+
 class _Watch:
     """Byte progress for clients without a callback: the size of their in-progress files."""
 
@@ -451,20 +554,102 @@ def _multiplex(key: str) -> list[str]:
             *FAST_CIPHERS]
 
 
-def authorize(comment: str, line: str | None) -> None:
-    """Drop the authorized_keys lines that end in `comment`, then add `line` when given (atomic, 0600)."""
-    keys = Path(os.path.expanduser("~/.ssh/authorized_keys"))
+def _authorized_keys() -> Path:
+    return Path(os.path.expanduser("~/.ssh/authorized_keys"))
+
+
+def _edit_authorized_keys(edit) -> None:
+    """Rewrite authorized_keys as edit(lines) says (atomic, 0600), one editor at a time (the installer, the renewing
+    agent and a cleaning agent are different processes)."""
+    keys = _authorized_keys()
+    keys.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(keys.parent / ".kimictl-authorized_keys.lock", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        lines = keys.read_text().splitlines(keepends=True)
-    except FileNotFoundError:
-        keys.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        lines = []
-    kept = [ln for ln in lines if not ln.rstrip().endswith(comment)]
-    if line:
-        kept.append(line.rstrip("\n") + "\n")
-    if kept != lines:
-        _atomic_write(keys, "".join(kept))
-        keys.chmod(0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            lines = keys.read_text().splitlines(keepends=True)
+        except FileNotFoundError:
+            lines = []
+        new = edit(lines)
+        if new != lines:
+            _atomic_write(keys, "".join(new))
+            keys.chmod(0o600)
+    finally:
+        os.close(fd)
+
+
+def authorize(comment: str, line: str | None) -> None:
+    """Drop the authorized_keys lines that end in `comment`, then add `line` when given."""
+    def edit(lines: list[str]) -> list[str]:
+        kept = [ln for ln in lines if not ln.rstrip().endswith(comment)]
+        return [*kept, line.rstrip("\n") + "\n"] if line else kept
+    _edit_authorized_keys(edit)
+
+
+def peer_key_lines(comment: str) -> list[str]:
+    try:
+        return [ln.strip() for ln in _authorized_keys().read_text().splitlines() if ln.rstrip().endswith(comment)]
+    except OSError:
+        return []
+
+
+_EXPIRY = re.compile(r'expiry-time="(\d{8,14})"')
+
+
+def with_expiry(line: str, until: float) -> str:
+    """The line with expiry-time set to `until`, in this host's local time, which is how sshd reads it (OpenSSH
+    7.7+; the "Z" suffix for UTC came later)."""
+    stamp = time.strftime("%Y%m%d%H%M%S", time.localtime(until))
+    if _EXPIRY.search(line):
+        return _EXPIRY.sub(f'expiry-time="{stamp}"', line, count=1)
+    return line.replace("restrict,", f'restrict,expiry-time="{stamp}",', 1)
+
+
+def expiry_of(line: str) -> str | None:
+    """expiry-time as YYYY-MM-DD HH:MM:SS (host local time), or None when the line has none."""
+    m = _EXPIRY.search(line)
+    if not m:
+        return None
+    d = m.group(1).ljust(14, "0")
+    return f"{d[:4]}-{d[4:6]}-{d[6:8]} {d[8:10]}:{d[10:12]}:{d[12:14]}"
+
+
+def renew_peer_key(comment: str, until: float) -> None:
+    _edit_authorized_keys(lambda lines: [with_expiry(ln, until) if ln.rstrip().endswith(comment) else ln
+                                         for ln in lines])
+
+
+def lock_holder(path: Path) -> dict | None:
+    """The record of whoever holds path's flock, or None when nobody does (never creates the file)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            return json.loads(os.pread(fd, 4096, 0) or b"{}")
+        except ValueError:
+            return {}
+    finally:
+        os.close(fd)   # also drops the shared lock we may have got
+    return None
+
+
+def source_addresses(peers: list[str]) -> list[str]:
+    """The local addresses this host's connections to these peers leave from (the kernel's route choice; no packet
+    is sent): what the peer key's from= must allow."""
+    out = set()
+    for addr in peers:
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(addr, 22, type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)
+                out.add(s.getsockname()[0].split("%")[0])
+        except OSError:
+            continue
+    return sorted(out)
 
 
 def install_peer_key(d: dict) -> None:
@@ -480,7 +665,7 @@ def install_peer_key(d: dict) -> None:
             f.write(text)
         os.chmod(key_dir / f".{name}.tmp", mode)
         os.replace(key_dir / f".{name}.tmp", key_dir / name)
-    authorize(d["key_comment"], d["authorized_line"])
+    authorize(d["key_comment"], with_expiry(d["authorized_line"], time.time() + KEY_TTL_S))
 
 
 def _glob_escape(path: str) -> str:
@@ -524,9 +709,9 @@ def run_rsync(cmd: list[str], on_bytes, children: set | None = None, names: list
 def main(argv: list[str]) -> int:
     if len(argv) >= 3 and argv[0] == "serve" and argv[1] == "--model-dir":
         return Agent(argv[2]).serve()
-    if len(argv) == 2 and argv[0] == "rsync-serve":
-        return rsync_serve(argv[1])
-    sys.stderr.write("usage: agent.py serve --model-dir DIR | rsync-serve DIR\n")
+    if len(argv) in (2, 3) and argv[0] == "rsync-serve":
+        return rsync_serve(*argv[1:])
+    sys.stderr.write("usage: agent.py serve --model-dir DIR | rsync-serve DIR [REFUSAL_LOG]\n")
     return 2
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
-from kimictl.weights.checkpoint import parse_size
+from kimictl.sandbox.checkpoint import parse_size
 
 log = logging.getLogger("kimictl.fakehub")
 
@@ -293,6 +293,21 @@ class Repo:
         return h.hexdigest()
 
 
+def _listed(files: list[FileInfo], faults: Faults, root: str):
+    """The files a listing under `root` shows (plus the malicious names when that fault is on), each with its path
+    segments below `root`."""
+    if faults.malicious_names:
+        files = files + _malicious_files()
+    for f in files:
+        if not root or f.path.startswith(root + "/"):
+            yield f, (f.path[len(root) + 1 :] if root else f.path).split("/")
+
+
+def _listed_sha(f: FileInfo, faults: Faults) -> str:
+    """The sha256 a listing states for a file (a wrong one under the wrong-sha fault)."""
+    return hashlib.sha256(b"wrong:" + f.sha256.encode()).hexdigest() if _matches(f.path, faults.wrong_sha) else f.sha256
+
+
 def _malicious_files() -> list[FileInfo]:
     sha = hashlib.sha256(_MALICIOUS_PAYLOAD).hexdigest()
     return [
@@ -491,6 +506,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- ModelScope -----------------------------------------------------------------------------------
 
+    def _ms_ok(self, data: Any, request_id: bool = False) -> None:
+        """ModelScope's success envelope around `data`."""
+        doc: dict[str, Any] = {"Code": 200, "Success": True, "Message": "success"}
+        if request_id:
+            doc["RequestId"] = uuid.uuid4().hex
+        self._json(200, {**doc, "Data": data})
+
     def _ms_error(self, status: int, message: str) -> None:
         self._json(
             status,
@@ -530,38 +552,12 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             self._serve_file(repo, info, {"X-Linked-ETag": info.sha256})
         elif rest == ["revisions"]:
-            self._json(
-                200,
-                {
-                    "Code": 200,
-                    "Success": True,
-                    "Message": "success",
-                    "Data": {
-                        "RevisionMap": {
-                            "Branches": [{"Revision": "master", "CreatedAt": 0, "CommitId": commit}],
-                            "Tags": [],
-                        }
-                    },
-                },
-            )
+            self._ms_ok({"RevisionMap": {"Branches": [{"Revision": "master", "CreatedAt": 0, "CommitId": commit}],
+                                         "Tags": []}})
         elif not rest:
             owner, name = repo.repo_id.split("/", 1)
-            self._json(
-                200,
-                {
-                    "Code": 200,
-                    "Success": True,
-                    "Message": "success",
-                    "Data": {
-                        "Id": 0,
-                        "Name": name,
-                        "Path": owner,
-                        "ChineseName": name,
-                        "Revision": "master",
-                        "LatestCommitId": commit,
-                    },
-                },
-            )
+            self._ms_ok({"Id": 0, "Name": name, "Path": owner, "ChineseName": name, "Revision": "master",
+                         "LatestCommitId": commit})
         else:
             self._ms_error(404, f"not found: {path}")
 
@@ -569,27 +565,19 @@ class _Handler(BaseHTTPRequestHandler):
         faults = self.server.hub.faults
         root = (query.get("Root") or [""])[0].strip("/")
         recursive = (query.get("Recursive") or ["false"])[0].lower() == "true"
-        if faults.malicious_names:
-            files = files + _malicious_files()
         entries: list[dict[str, Any]] = []
         dirs: set[str] = set()
-        for f in files:
-            if root and not f.path.startswith(root + "/"):
+        for f, segs in _listed(files, faults, root):
+            if not recursive and len(segs) > 1:
+                dirs.add(f"{root}/{segs[0]}" if root else segs[0])
                 continue
-            rel = f.path[len(root) + 1 :] if root else f.path
-            if not recursive and "/" in rel:
-                dirs.add(f"{root}/{rel.split('/')[0]}" if root else rel.split("/")[0])
-                continue
-            sha = f.sha256
-            if _matches(f.path, faults.wrong_sha):
-                sha = hashlib.sha256(b"wrong:" + f.sha256.encode()).hexdigest()
             entries.append(
                 {
                     "Name": f.path.rsplit("/", 1)[-1],
                     "Path": f.path,
                     "Type": "blob",
                     "Size": f.size,
-                    "Sha256": sha,
+                    "Sha256": _listed_sha(f, faults),
                     "Revision": commit,
                     "IsLFS": f.lfs,
                     "Mode": "33188",
@@ -612,37 +600,23 @@ class _Handler(BaseHTTPRequestHandler):
                     "Mode": "040000",
                 }
             )
-        self._json(
-            200,
-            {
-                "Code": 200,
-                "Success": True,
-                "Message": "success",
-                "RequestId": uuid.uuid4().hex,
-                "Data": {"Files": entries, "LatestCommitter": {"Name": "fakehub"}},
-            },
-        )
+        self._ms_ok({"Files": entries, "LatestCommitter": {"Name": "fakehub"}}, request_id=True)
 
     # -- Hugging Face ---------------------------------------------------------------------------------
 
     def _hf_api(self, raw_path: str, query: dict[str, list[str]]) -> None:
-        hub = self.server.hub
         # /api/models/{owner}/{name}[/revision/{rev} | /tree/{rev}[/{path}]]
         parts = raw_path.split("/")
         if len(parts) < 5:
             self._hf_404("RepoNotFound", "Repository not found")
             return
-        repo = hub._repo(f"{unquote(parts[3])}/{unquote(parts[4])}")
-        if repo is None:
-            self._hf_404("RepoNotFound", "Repository not found")
+        found = self._hf_repo(f"{unquote(parts[3])}/{unquote(parts[4])}")
+        if found is None:
             return
-        files = repo.files()
-        commit = repo.commit(files)
+        repo, files, commit = found
         rest = parts[5:]
         if not rest or (rest[0] == "revision" and len(rest) >= 2):
-            rev = unquote("/".join(rest[1:])) if rest else "main"
-            if rev not in ("main", "master", commit):
-                self._hf_404("RevisionNotFound", f"Invalid rev id: {rev}")
+            if not self._hf_rev_ok(unquote("/".join(rest[1:])) if rest else "main", commit):
                 return
             siblings = [{"rfilename": f.path} for f in files]
             total = sum(f.size for f in files)
@@ -667,14 +641,28 @@ class _Handler(BaseHTTPRequestHandler):
                 },
             )
         elif rest and rest[0] == "tree" and len(rest) >= 2:
-            rev = unquote(rest[1])
-            if rev not in ("main", "master", commit):
-                self._hf_404("RevisionNotFound", f"Invalid rev id: {rev}")
+            if not self._hf_rev_ok(unquote(rest[1]), commit):
                 return
             prefix = unquote("/".join(rest[2:])).strip("/")
             self._hf_tree(repo=repo, files=files, commit=commit, prefix=prefix, query=query, raw_path=raw_path)
         else:
             self._hf_404("EntryNotFound", f"not found: {raw_path}")
+
+    def _hf_repo(self, repo_id: str) -> tuple[Repo, list[FileInfo], str] | None:
+        """The repo, its files and commit; None once a RepoNotFound answer went out."""
+        repo = self.server.hub._repo(repo_id)
+        if repo is None:
+            self._hf_404("RepoNotFound", "Repository not found")
+            return None
+        files = repo.files()
+        return repo, files, repo.commit(files)
+
+    def _hf_rev_ok(self, rev: str, commit: str) -> bool:
+        """Whether `rev` names this repo's only revision; else a RevisionNotFound answer went out."""
+        if rev in ("main", "master", commit):
+            return True
+        self._hf_404("RevisionNotFound", f"Invalid rev id: {rev}")
+        return False
 
     def _hf_404(self, code: str, message: str, commit: str | None = None) -> None:
         extra = {"X-Error-Code": code, "X-Error-Message": message}
@@ -695,26 +683,17 @@ class _Handler(BaseHTTPRequestHandler):
         hub = self.server.hub
         faults = hub.faults
         recursive = (query.get("recursive") or ["false"])[0].lower() in ("true", "1")
-        if faults.malicious_names:
-            files = files + _malicious_files()
         entries: list[dict[str, Any]] = []
         dirs: set[str] = set()
-        for f in files:
-            if prefix and not f.path.startswith(prefix + "/"):
-                continue
-            rel = f.path[len(prefix) + 1 :] if prefix else f.path
+        for f, segs in _listed(files, faults, prefix):
             # HF lists every ancestor directory in recursive mode and only direct children otherwise.
-            segs = rel.split("/")
             for i in range(1, len(segs) if recursive else min(2, len(segs))):
                 dirs.add("/".join(([prefix] if prefix else []) + segs[:i]))
             if not recursive and len(segs) > 1:
                 continue
             entry: dict[str, Any] = {"type": "file", "oid": f.oid, "size": f.size, "path": f.path}
             if f.lfs:
-                sha = f.sha256
-                if _matches(f.path, faults.wrong_sha):
-                    sha = hashlib.sha256(b"wrong:" + f.sha256.encode()).hexdigest()
-                entry["lfs"] = {"oid": sha, "size": f.size, "pointerSize": len(f.pointer)}
+                entry["lfs"] = {"oid": _listed_sha(f, faults), "size": f.size, "pointerSize": len(f.pointer)}
             entries.append(entry)
         entries += [
             {
@@ -745,15 +724,12 @@ class _Handler(BaseHTTPRequestHandler):
         if len(parts) < 6 or parts[3] != "resolve":
             self._hf_404("EntryNotFound", f"not found: {path}")
             return
-        repo = hub._repo(f"{parts[1]}/{parts[2]}")
-        if repo is None:
-            self._hf_404("RepoNotFound", "Repository not found")
+        found = self._hf_repo(f"{parts[1]}/{parts[2]}")
+        if found is None:
             return
-        files = repo.files()
-        commit = repo.commit(files)
-        rev, rel = parts[4], "/".join(parts[5:])
-        if rev not in ("main", "master", commit):
-            self._hf_404("RevisionNotFound", f"Invalid rev id: {rev}")
+        repo, _, commit = found
+        rel = "/".join(parts[5:])
+        if not self._hf_rev_ok(parts[4], commit):
             return
         info = hub._lookup(repo, rel)
         if info is None:
@@ -1068,7 +1044,7 @@ def _parse_repo(text: str) -> tuple[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kimictl.weights.fakehub", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kimictl.sandbox.fakehub", description=__doc__)
     ap.add_argument("--repo", action="append", type=_parse_repo, required=True, metavar="OWNER/NAME=DIR")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)

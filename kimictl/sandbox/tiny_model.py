@@ -3,7 +3,7 @@
 Run with the real-engine lane's python, which has torch, transformers and tokenizers (kimictl itself does not
 depend on them; no CLI path imports this module):
 
-    KIMICTL_VLLM_PYTHON -m kimictl.weights.tiny_model DEST [--seed N] [--shard-size 2MB]
+    KIMICTL_VLLM_PYTHON -m kimictl.sandbox.tiny_model DEST [--seed N] [--shard-size 2MB]
 
 The shape is read from kimictl/data/models/tiny-deepseek-v3.yml, the facts the planner uses for the `cpu-smoke`
 engine profile. DEST gets config.json (with `topk_method: noaux_tc` written explicitly: without it vLLM drops
@@ -227,7 +227,7 @@ def _size(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kimictl.weights.tiny_model", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kimictl.sandbox.tiny_model", description=__doc__.splitlines()[0])
     ap.add_argument("dest", type=Path, help="directory to write the checkpoint into")
     ap.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
     ap.add_argument("--shard-size", default="2MB", help="max bytes per safetensors shard, e.g. 2MB (default)")

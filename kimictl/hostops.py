@@ -1,0 +1,321 @@
+"""Host operations: the one way kimictl changes and watches supervised processes on hosts.
+
+Deploy, start/stop, rollout (and heal) compose a `HostOps`: every change goes through a playbook run in one run
+directory (engines.yml starts/stops/reloads, release.yml unpacks a release, switch.yml moves `current`), and
+readiness, supervisor state and log tails are read over SSH (paramiko, read-only) and HTTP. SSH (`connect`) and
+HTTP (`http`) are injectable; tests replace the whole component with a fake that records what was asked.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kimictl import health, remote
+from kimictl.errors import HostError
+from kimictl.inventory import Inventory
+from kimictl.secret_file import proxy_admin_key, proxy_admin_key_path, proxy_api_key
+from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
+
+if TYPE_CHECKING:
+    from kimictl.render import Rendered
+
+LIVE_STATES = ("starting", "running", "backoff")
+STOP_GRACE_S = 30
+ROLLBACK_READY_TIMEOUT_S = 300.0  # readiness wait when a rollback restores the previous release
+# Files every host gets in <state>/bin/ (release.yml): the supervisor and the proxy front (and the engine profile's
+# connector shim when the plan's connector names one: render.engine_shims).
+HOST_BIN = ("supervisor.py", "proxy_front.py")
+
+
+@dataclass(frozen=True)
+class Proc:
+    """A process kimictl wants supervised on a host (an engine or the proxy)."""
+
+    host: str
+    id: str
+    kind: str
+    tag: str
+    cmd: list[str]
+    ip: str
+    port: int
+    serves_http: bool
+    role: str
+
+    def start_action(self, replace: bool = False) -> dict[str, Any]:
+        """The engines.yml start entry for this process (`replace`: stop whatever runs under its id first)."""
+        return {"id": self.id, "cmd": self.cmd, "tag": self.tag, "replace": replace}
+
+
+def _sha(*texts: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for t in texts:
+        h.update(t.encode() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def process_tag(files: dict[str, str], pid: str) -> str:
+    """A process's tag: the hash of exactly the release files it runs (its restart trigger)."""
+    if pid == "proxy":
+        return _sha(files["proxy/proxy.sh"])
+    return _sha(*(files[p] for p in sorted(files) if p.startswith(f"engines/{pid}.")))
+
+
+def desired_procs(rendered: Rendered, inv: Inventory) -> list[Proc]:
+    """Supervised processes per host; the tag hashes exactly the files that process runs."""
+    plan = rendered.plan
+    out: list[Proc] = []
+    for e in rendered.engines:
+        files = rendered.files[e.host]
+        sd = inv.host(e.host).kimi_state_dir
+        rel = f"{sd}/releases/{rendered.releases[e.host]}"
+        script = f"engines/{e.id}.container.sh" if plan.runtime == "container" else f"engines/{e.id}.sh"
+        tag = process_tag(files, e.id)
+        out.append(Proc(e.host, e.id, "engine", tag, ["bash", f"{rel}/{script}"], e.host_ip, e.port, e.serves_http,
+                        e.role))
+    if rendered.proxy and plan.proxy:
+        host = plan.proxy.host
+        sd = inv.host(host).kimi_state_dir
+        out.append(Proc(host, "proxy", "proxy", process_tag(rendered.files[host], "proxy"),
+                        ["bash", f"{sd}/releases/{rendered.releases[host]}/proxy/proxy.sh"],
+                        rendered.proxy.host, rendered.proxy.port, True, "proxy"))
+    return out
+
+
+@dataclass
+class HostObservation:
+    states: dict[str, dict[str, Any]]
+    current: str | None
+
+
+def observe(inv: Inventory, timeout: float = 15.0, accept_new_keys: bool = False,
+            connect: Callable[..., Sessions] = Sessions) -> dict[str, HostObservation]:
+    """What the supervisor on each host runs now, and where `current` points (one SSH round trip per host)."""
+
+    def probe(name: str, s) -> HostObservation:
+        sd = inv.host(name).kimi_state_dir
+        res = s.run(f"if [ -f {sd}/bin/supervisor.py ]; then python3 {sd}/bin/supervisor.py status "
+                    f"--run-dir {sd}/run; else echo '[]'; fi; echo '@@current'; readlink {sd}/current || true",
+                    timeout=timeout)
+        body, _, cur = res.stdout.partition("@@current")
+        try:
+            states = {st["name"]: st for st in json.loads(body or "[]")}
+        except ValueError:
+            states = {}
+        current = cur.strip().rsplit("/", 1)[-1] or None
+        return HostObservation(states, current)
+
+    with connect(inv, timeout=timeout, accept_new_keys=accept_new_keys) as sessions:
+        got = sessions.each(probe)
+    bad = {h: r for h, r in got.items() if isinstance(r, SSHError)}
+    if bad:
+        host = next(iter(bad))
+        raise HostError(f"cannot read the current state of {len(bad)} host(s)", host=host, step="observe",
+                        details=[str(e) for e in bad.values()])
+    return got  # type: ignore[return-value]
+
+
+@dataclass
+class Change:
+    host: str
+    id: str
+    action: str  # start | replace | stop | keep
+    new: Proc | None = None
+    old: dict[str, Any] | None = None
+
+
+def compute_changes(procs: list[Proc], observed: dict[str, HostObservation]) -> list[Change]:
+    changes: list[Change] = []
+    wanted = {(p.host, p.id) for p in procs}
+    for p in procs:
+        old = observed.get(p.host, HostObservation({}, None)).states.get(p.id)
+        live = old is not None and old.get("state") in LIVE_STATES
+        if live and old.get("tag") == p.tag:
+            changes.append(Change(p.host, p.id, "keep", p, old))
+        else:
+            changes.append(Change(p.host, p.id, "replace" if live else "start", p, old if live else None))
+    for host, obs in observed.items():
+        for pid, st in obs.states.items():
+            if (host, pid) not in wanted and st.get("state") in LIVE_STATES:
+                changes.append(Change(host, pid, "stop", None, st))
+    return changes
+
+
+def exit_text(last_exit: dict[str, Any] | None) -> str:
+    """The supervisor's record of a child's last exit, in words."""
+    if not last_exit:
+        return "none recorded"
+    at = f" at {last_exit['at']}" if last_exit.get("at") else ""
+    if "signal" in last_exit:
+        return f"killed by {last_exit.get('signal_name') or 'signal ' + str(last_exit['signal'])}{at}"
+    if "code" in last_exit:
+        return f"exit code {last_exit['code']}{at}"
+    return f"{last_exit.get('error') or 'unknown'}{at}"
+
+
+class HostOps:
+    """Changes to supervised processes on the hosts of one inventory, all recorded in one run directory."""
+
+    def __init__(self, inv: Inventory, served_model_name: str, run_dir: Path, *, say: Callable[[str], None],
+                 on_event: Callable[[str, str, str], None] | None = None, accept_new_host_keys: bool = False,
+                 ready_timeout: float | None = None, connect: Callable[..., Sessions] = Sessions, http: Any = health):
+        self.inv, self.served_model_name, self.run_dir = inv, served_model_name, run_dir
+        self.say, self.on_event = say, on_event
+        self.accept_new_host_keys = accept_new_host_keys
+        self.ready_timeout = ready_timeout  # None: sized to the checkpoint (see default_ready_timeout)
+        self.connect, self.http = connect, http
+        self.state_dir_of = {h.name: h.kimi_state_dir for h in inv.hosts}
+        self.api_key = proxy_api_key(inv)
+        self.n_runs = 0
+        self.timings: dict[str, float] = {}
+
+    def limit(self, hosts: list[str]) -> None:
+        """--limit: playbooks and probes reach only these hosts."""
+        self.inv = self.inv.limited(hosts)
+
+    # --- playbooks -------------------------------------------------------------------------------------
+
+    def playbook(self, name: str, extravars: dict[str, Any], hosts: list[str]) -> None:
+        from kimictl.ansible import build_run_spec, run_playbook
+
+        self.n_runs += 1
+        ident = f"{self.n_runs:02d}-{name.removesuffix('.yml')}"
+        spec = build_run_spec(self.run_dir, name, Path(self.inv.path), {"kimi": extravars}, ident=ident,
+                              hosts=[h.name for h in self.inv.hosts], limit=hosts,
+                              host_key_args=ansible_host_key_args(self.inv, self.accept_new_host_keys))
+        t0 = time.monotonic()
+        res = run_playbook(spec, self.on_event)
+        self.timings[ident] = round(time.monotonic() - t0, 2)
+        if not res.ok:
+            f = res.failures[0] if res.failures else None
+            raise HostError(f"playbook {name} failed" + (f": {f.message.splitlines()[0][:300]}" if f else ""),
+                            host=f.host if f else None, step=f.task if f else name,
+                            log_tail=f.message if f else None,
+                            details=[f"{x.host}: {x.task}" for x in res.failures[1:5]],
+                            hint=f"ansible artifacts: {res.artifacts}")
+
+    def apply_actions(self, stops: dict[str, list[str]], starts: dict[str, list[dict[str, Any]]], what: str) -> None:
+        """Stop, then start, supervised processes per host (engines.yml); hosts without actions are left alone."""
+        hosts = sorted(set(stops) | set(starts))
+        if not hosts:
+            return
+        actions = {h: {"stop": stops.get(h, []), "start": starts.get(h, [])} for h in hosts}
+        self.say(f"{what}: " + ", ".join(f"{h} (stop {len(a['stop'])}, start {len(a['start'])})"
+                                         for h, a in actions.items()))
+        self.playbook("engines.yml", {"state_dir_of": self.state_dir_of, "actions": actions,
+                                      "grace": STOP_GRACE_S}, hosts)
+
+    def reload_proxy(self, host: str) -> None:
+        """Restart the router copies behind kimictl's proxy front one at a time (the front keeps its port)."""
+        self.playbook("engines.yml", {"state_dir_of": self.state_dir_of, "grace": STOP_GRACE_S,
+                                      "actions": {host: {"reload_proxy": True}}}, [host])
+
+    def install_release(self, rendered: Rendered, hosts: list[str]) -> None:
+        """Unpack each host's release next to the running one (nothing restarts); the tools in bin/ and the proxy's
+        keys (the clients' and the admin key of its routers' API, made here on first use) are brought up to date on
+        the way."""
+        from kimictl.render import engine_shims
+
+        p = rendered.plan.proxy
+        admin = p is not None and p.admin_key and proxy_admin_key(self.inv.cluster.name, create=True) is not None
+        self.playbook("release.yml", {
+            "state_dir_of": self.state_dir_of,
+            "bin": {**{name: str(remote.source(name)) for name in HOST_BIN}, **engine_shims(rendered.plan)},
+            "hosts": {h: {"release": rendered.releases[h], "bundle": str(self._bundle(h))} for h in hosts},
+            "proxy_host": p.host if p else None, "api_key_file": self.inv.cluster.kimi_api_key_file,
+            "admin_key_file": str(proxy_admin_key_path(self.inv.cluster.name)) if admin else None}, hosts)
+
+    def switch(self, releases: dict[str, str]) -> None:
+        """Point each host's `current` at its release (switch.yml)."""
+        self.playbook("switch.yml", {"state_dir_of": self.state_dir_of,
+                                     "hosts": {h: {"release": r} for h, r in releases.items()}}, sorted(releases))
+
+    def _bundle(self, host: str) -> Path:
+        """The host's rendered files as one tarball: one transfer instead of one per file."""
+        import tarfile
+
+        src = self.run_dir / "rendered" / host
+        out = self.run_dir / "bundles" / f"{host}.tar.gz"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tarfile.open(out, "w:gz") as tar:
+            for path in sorted(src.rglob("*")):
+                tar.add(path, arcname=str(path.relative_to(src)), recursive=False)
+        return out
+
+    def close(self) -> None:
+        """End the SSH control masters this run's playbooks opened."""
+        from kimictl.ansible import close_control_masters
+
+        close_control_masters(self.run_dir)
+
+    # --- reading the hosts ---------------------------------------------------------------------------
+
+    def observe(self, hosts: list[str] | None = None) -> dict[str, HostObservation]:
+        inv = self.inv.limited(hosts) if hosts else self.inv
+        return observe(inv, accept_new_keys=self.accept_new_host_keys, connect=self.connect)
+
+    def ready(self, p: Proc) -> health.Ready:
+        return self.http.engine_ready(p.ip, p.port, self.served_model_name,
+                                      api_key=self.api_key if p.kind == "proxy" else None)
+
+    def log_tail(self, host: str, pid: str, lines: int = 30) -> str:
+        sd = self.state_dir_of[host]
+        with self.connect(self.inv.limited([host]), accept_new_keys=self.accept_new_host_keys) as s:
+            got = s.each(lambda _n, sess: sess.run(f"tail -n {lines} {sd}/logs/{pid}.log 2>&1").stdout)
+        return str(got[host])
+
+    def default_ready_timeout(self) -> float:
+        """Real K2.5 loads take ~10 min: the wait is sized to the checkpoint (>= 0.5 GiB/s) plus start-up, and
+        never below the engine profile's floor (a CPU engine's start-up is imports and compilation, not bytes)."""
+        from kimictl.facts import engine_profile
+        from kimictl.state import cached_manifest_bytes
+
+        size, _ = cached_manifest_bytes(self.inv.cluster.name)
+        prof = engine_profile(self.inv.cluster.kimi_engine_profile)
+        size = size or prof.facts(self.inv.cluster.kimi_model_id).total_bytes
+        return max(prof.min_ready_timeout_s, 180.0 + size / (0.5 * 2**30))
+
+    def wait_ready(self, procs: list[Proc], timeout: float | None = None) -> None:
+        """Poll HTTP readiness; fail fast when the supervisor reports a crash (restart or failed state)."""
+        if not procs:
+            return
+        deadline = time.monotonic() + (timeout or self.ready_timeout or self.default_ready_timeout())
+        pending = {(p.host, p.id): p for p in procs if p.serves_http}
+        headless = [p for p in procs if not p.serves_http]
+        last_check = 0.0
+        t0 = time.monotonic()
+        self.say(f"waiting for {len(pending)} endpoint(s) to load and answer (timeout {deadline - t0:.0f}s)")
+        while pending:
+            for key, p in list(pending.items()):
+                if self.ready(p).ok:
+                    del pending[key]
+                    self.say(f"ready: {p.id} on {p.host} ({time.monotonic() - t0:.1f}s)")
+            if not pending:
+                break
+            now = time.monotonic()
+            if now - last_check > 2.0:
+                last_check = now
+                self._check_crashes(list(pending.values()) + headless)
+            if now > deadline:
+                p = next(iter(pending.values()))
+                raise HostError(f"{p.id} did not become ready within {deadline - t0:.0f}s", host=p.host,
+                                step="readiness", log_tail=self.log_tail(p.host, p.id))
+            time.sleep(0.3)
+
+    def _check_crashes(self, procs: list[Proc]) -> None:
+        states = {h: o.states for h, o in self.observe(sorted({p.host for p in procs})).items()}
+        for p in procs:
+            st = states.get(p.host, {}).get(p.id)
+            if st is None:
+                continue
+            if st.get("state") in ("failed", "stopped", "dead") or int(st.get("restarts", 0)) > 0:
+                raise HostError(f"{p.kind} {p.id} crashed during start-up (state {st.get('state')}, "
+                                f"restarts {st.get('restarts', 0)}, last exit: {exit_text(st.get('last_exit'))})",
+                                host=p.host,
+                                step="engines", log_tail=self.log_tail(p.host, p.id))

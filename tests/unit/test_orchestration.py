@@ -1,0 +1,321 @@
+"""Deploy's rollback and the rollout's batch/rollback state machine, without root or hosts: the host operations,
+HTTP and the routers are fakes that record what was asked and keep the supervisor's view of every host."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kimictl import health, state
+from kimictl.deploy import Deployer, DeployOptions
+from kimictl.errors import HostError
+from kimictl.hostops import LIVE_STATES, HostObservation, Proc, desired_procs
+from kimictl.inventory import Inventory, load_inventory
+from kimictl.plan import make_plan
+from kimictl.render import Rendered, render
+from kimictl.rollout.overrides import apply_sets, parse_sets
+from kimictl.rollout.run import Rollout, RolloutOptions
+from kimictl.topology import load_topology
+
+CLUSTER = "orch-unit"
+
+
+class FakeOps:
+    """HostOps as the orchestration sees it: processes per host (id -> state, tag, cmd), `current` per host."""
+
+    def __init__(self, inv: Inventory, run_dir: Path, procs: dict[str, dict[str, dict[str, Any]]],
+                 current: dict[str, str]):
+        self.inv, self.run_dir = inv, run_dir
+        self.procs, self.current = procs, current
+        self.api_key = None
+        self.ready_timeout: float | None = None
+        self.timings: dict[str, float] = {}
+        self.calls: list[tuple[str, Any]] = []
+        self.fail_ready: set[str] = set()   # tags that never become ready
+        self.installed: list[str] = []
+
+    def limit(self, hosts: list[str]) -> None:
+        self.inv = self.inv.limited(hosts)
+
+    def observe(self, hosts: list[str] | None = None) -> dict[str, HostObservation]:
+        return {h.name: HostObservation({k: dict(v) for k, v in self.procs.get(h.name, {}).items()},
+                                        self.current.get(h.name)) for h in self.inv.hosts
+                if hosts is None or h.name in hosts}
+
+    def apply_actions(self, stops: dict[str, list[str]], starts: dict[str, list[dict[str, Any]]], what: str) -> None:
+        self.calls.append(("actions", what, {h: sorted(v) for h, v in stops.items()},
+                           {h: sorted(a["id"] for a in v) for h, v in starts.items()}))
+        for h, ids in stops.items():
+            for pid in ids:
+                if pid in self.procs.get(h, {}):
+                    self.procs[h][pid]["state"] = "stopped"
+        for h, acts in starts.items():
+            for a in acts:
+                self.procs.setdefault(h, {})[a["id"]] = {"state": "running", "tag": a["tag"], "cmd": a["cmd"]}
+
+    def install_release(self, rendered: Rendered, hosts: list[str]) -> None:
+        self.calls.append(("install", sorted(hosts)))
+
+    def switch(self, releases: dict[str, str]) -> None:
+        self.calls.append(("switch", dict(releases)))
+        self.current.update(releases)
+
+    def reload_proxy(self, host: str) -> None:
+        self.calls.append(("reload_proxy", host))
+
+    def ready(self, p: Proc) -> health.Ready:
+        st = self.procs.get(p.host, {}).get(p.id)
+        ok = st is not None and st["state"] in LIVE_STATES and st["tag"] not in self.fail_ready
+        return health.Ready(ok, "ready" if ok else "not ready")
+
+    def wait_ready(self, procs: list[Proc], timeout: float | None = None) -> None:
+        self.calls.append(("wait_ready", sorted(p.id for p in procs)))
+        for p in procs:
+            if not self.ready(p).ok:
+                raise HostError(f"{p.id} did not become ready", host=p.host, step="readiness")
+
+    def log_tail(self, host: str, pid: str, lines: int = 30) -> str:
+        return f"(log of {pid})"
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+
+    def actions(self, what: str | None = None) -> list[tuple]:
+        return [c for c in self.calls if c[0] == "actions" and (what is None or c[1] == what)]
+
+
+class FakeHttp:
+    """kimictl.health for engines that serve: counters move on every scrape, completions answer; `broken(url)`
+    says which endpoints fail their requests."""
+
+    def __init__(self, broken=lambda url: False):
+        self.broken = broken
+        self.tick = itertools.count(1)
+
+    def engine_ready(self, ip: str, port: int, served: str, timeout: float = 3.0, api_key: str | None = None):
+        return health.Ready(True, "ready")
+
+    def metric_totals(self, ip: str, port: int, timeout: float = 3.0) -> dict[str, float]:
+        n = float(next(self.tick))
+        return {health.PREFILL_COUNTER: n, health.DECODE_COUNTER: n, health.GENERATION_COUNTER: n,
+                "vllm:num_requests_running": 0.0}
+
+    def http_request(self, method: str, url: str, body: Any = None, timeout: float = 10.0,
+                     headers: dict | None = None, api_key: str | None = None) -> tuple[int, str]:
+        if self.broken(url):
+            return 500, "engine error"
+        if body and (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+            return 200, json.dumps({"kv_transfer_params": {"remote_engine_id": "e", "do_remote_prefill": True}})
+        return 200, json.dumps({"choices": [{"text": "ok"}]})
+
+    def http_post_json(self, url: str, body: dict, timeout: float = 60.0, api_key: str | None = None):
+        code, text = self.http_request("POST", url, body)
+        return code, json.loads(text) if code == 200 else text
+
+    def http_get(self, url: str, timeout: float = 3.0, api_key: str | None = None) -> tuple[int, str]:
+        return self.http_request("GET", url)
+
+
+class FakeRouter:
+    """A router in IGW mode (adds workers at runtime); every copy starts with every endpoint of the old release."""
+
+    def __init__(self, url: str, members: dict[str, str], log: list[tuple[str, str, str]]):
+        self.url, self.log = url, log
+        self._members = dict(members)
+
+    def members(self) -> dict[str, str]:
+        return dict(self._members)
+
+    def supports_runtime_add(self) -> bool:
+        return True
+
+    def remove(self, url: str) -> None:
+        self.log.append((self.url, "remove", url))
+        self._members.pop(url, None)
+
+    def add(self, url: str, role: str) -> None:
+        self.log.append((self.url, "add", url))
+        self._members[url] = role
+
+
+def _inventory(tmp_path: Path, hosts: int) -> Inventory:
+    doc = {"all": {"vars": {"kimi_cluster": CLUSTER, "kimi_model_dir": "/data/models/Kimi-K2.5-W4A8",
+                            "kimi_runtime": "host", "kimi_nic": "eth0"},
+                   "hosts": {f"atlas-{i:02d}": {"ansible_host": f"10.9.0.{10 + i}", "kimi_hardware": "atlas-800-a3"}
+                             for i in range(1, hosts + 1)}}}
+    (tmp_path / "inv.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    return load_inventory(tmp_path / "inv.yml")
+
+
+def _running(procs: list[Proc]) -> dict[str, dict[str, dict[str, Any]]]:
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for p in procs:
+        out.setdefault(p.host, {})[p.id] = {"state": "running", "tag": p.tag, "cmd": p.cmd}
+    return out
+
+
+@pytest.fixture(autouse=True)
+def state_dir(tmp_path: Path, monkeypatch) -> Path:
+    monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "state"))
+    return tmp_path / "state" / CLUSTER
+
+
+# --- deploy ------------------------------------------------------------------------------------------------
+
+
+def _deploy_setup(tmp_path: Path):
+    """The previous release runs; the new one changes the decode engines' flags and drops nothing else. One
+    extra process (an engine of an older layout) runs too, so the deploy stops it."""
+    inv = _inventory(tmp_path, 2)
+    topo = load_topology("a3-pd")
+    old = render(make_plan(inv, topo), inv, topo)
+    t2, i2 = apply_sets(topo, inv, parse_sets(["decode.serve.max-num-seqs=16"], topo))
+    new = render(make_plan(i2, t2), i2, t2)
+    procs = _running(desired_procs(old, inv))
+    procs[next(iter(procs))]["stale-0"] = {"state": "running", "tag": "t-stale", "cmd": ["bash", "/old/stale.sh"]}
+    previous = state.ReleaseRecord.now(release=state.release_id(old.releases), cluster=CLUSTER, topology="a3-pd",
+                                       hosts=old.releases, result="deployed", run_dir="/runs/old")
+    state.record_release(CLUSTER, previous)
+    ops = FakeOps(inv, tmp_path / "run", procs, dict(old.releases))
+    return inv, old, new, ops
+
+
+def _deploy(inv, new, ops, http) -> Deployer:
+    return Deployer(inv, new.plan, new, DeployOptions(skip_preflight="unit test", skip_weights=True), lambda m: None,
+                    ops=ops, http=http)
+
+
+def test_failed_readiness_rolls_back_exactly_the_changed_processes(tmp_path: Path) -> None:
+    inv, old, new, ops = _deploy_setup(tmp_path)
+    old_tags = {p.id: p.tag for p in desired_procs(old, inv)}
+    new_procs = {p.id: p for p in desired_procs(new, inv)}
+    changed = sorted(i for i, p in new_procs.items() if p.tag != old_tags[i])
+    assert changed and all(i.startswith("decode-") for i in changed)  # prefill and proxy are kept
+    ops.fail_ready = {new_procs[changed[0]].tag}
+    with pytest.raises(HostError, match=f"{changed[0]} did not become ready"):
+        _deploy(inv, new, ops, FakeHttp()).run()
+    engines, rollback = ops.actions("engines"), ops.actions("rollback")
+    d_host = new_procs[changed[0]].host
+    stale_host = next(h for h, ps in ops.procs.items() if "stale-0" in ps)
+    assert stale_host != d_host
+    assert engines == [("actions", "engines", {d_host: changed, stale_host: ["stale-0"]}, {d_host: changed})]
+    # rollback: stop what the deploy started, bring back what it replaced or stopped - and nothing else
+    assert rollback == [("actions", "rollback", {d_host: changed}, {d_host: changed, stale_host: ["stale-0"]})]
+    # every process runs the previous release again; kept ones were never touched; `current` did not move
+    assert {i: st["tag"] for h in ops.procs.values() for i, st in h.items() if st["state"] == "running"} == {
+        **old_tags, "stale-0": "t-stale"}
+    assert ("wait_ready", changed) in ops.calls and not [c for c in ops.calls if c[0] == "switch"]
+    assert state.current(CLUSTER).release == state.release_id(old.releases)
+    last = state.history(CLUSTER)[-1]
+    assert last.result == "failed" and last.release == state.release_id(new.releases)
+    assert sorted(c["id"] for c in last.changes) == sorted([*changed, "stale-0"])
+
+
+def test_a_failed_smoke_rolls_back_and_a_good_deploy_switches_and_records(tmp_path: Path) -> None:
+    inv, old, new, ops = _deploy_setup(tmp_path)
+    with pytest.raises(HostError, match="smoke completion"):
+        _deploy(inv, new, ops, FakeHttp(broken=lambda url: url.endswith("/v1/completions"))).run()
+    assert len(ops.actions("rollback")) == 1 and state.history(CLUSTER)[-1].result == "failed"
+    assert {st["tag"] for h in ops.procs.values() for st in h.values() if st["state"] == "running"} == {
+        p.tag for p in desired_procs(old, inv)} | {"t-stale"}
+
+    ops.calls.clear()
+    res = _deploy(inv, new, ops, FakeHttp()).run()
+    assert res.result == "deployed" and not ops.actions("rollback")
+    assert ("switch", new.releases) in ops.calls and ops.current == new.releases
+    assert state.current(CLUSTER).release == res.release == state.release_id(new.releases)
+    # the same release again: nothing to do, nothing touched
+    n_calls = len(ops.calls)
+    again = _deploy(inv, new, ops, FakeHttp()).run()
+    assert again.result == "no-changes" and ops.calls[n_calls:] == []
+
+
+# --- rollout -----------------------------------------------------------------------------------------------
+
+
+def _rollout_setup(tmp_path: Path, broken_engines: set[str], new_tags_only: bool = True):
+    """2P2D on four A3 hosts runs its recorded release; the change touches both decode slices."""
+    inv = _inventory(tmp_path, 4)
+    topo = load_topology("a3-pd")
+    old = render(make_plan(inv, topo), inv, topo)
+    sets = parse_sets(["decode.serve.max-num-seqs=16"], topo)
+    t2, i2 = apply_sets(topo, inv, sets)
+    new = render(make_plan(i2, t2), i2, t2)
+    rec = state.ReleaseRecord.now(release=state.release_id(old.releases), cluster=CLUSTER, topology="a3-pd",
+                                  hosts=old.releases, result="deployed", run_dir="/runs/old")
+    state.record_release(CLUSTER, rec)
+    ops = FakeOps(inv, tmp_path / "run", _running(desired_procs(old, inv)), dict(old.releases))
+    eps = {f"http://{e.host_ip}:{e.port}": e for e in new.engines if e.serves_http}
+    new_tags = {p.tag for p in desired_procs(new, inv)} - {p.tag for p in desired_procs(old, inv)}
+
+    def broken(url: str) -> bool:
+        e = eps.get(url.rsplit("/v1/", 1)[0])
+        return e is not None and e.id in broken_engines and ops.procs[e.host][e.id]["tag"] in new_tags
+
+    log: list[tuple[str, str, str]] = []
+
+    def router(url: str, api_key: str | None = None, http: Any = None) -> FakeRouter:
+        return FakeRouter(url, {u: e.role for u, e in eps.items()}, log)
+
+    ro = Rollout(inv, rec, old, new, t2, sets, RolloutOptions(canary=1, serial=1, drain_quiet=0.0, drain_timeout=5),
+                 lambda m: None, ops=ops, http=FakeHttp(broken), router=router)
+    ro.router_log = log
+    return ro, ops, old, new
+
+
+def _restarts(ops: FakeOps) -> list[tuple[str, list[str]]]:
+    return [(c[1].removeprefix("restart on the ").removesuffix(" release"), sorted(i for ids in c[3].values()
+             for i in ids)) for c in ops.actions() if c[1].startswith("restart on the")]
+
+
+def test_rollout_goes_batch_by_batch_and_records_the_new_release(tmp_path: Path) -> None:
+    ro, ops, _, new = _rollout_setup(tmp_path, set())
+    res = ro.run()
+    assert res.result == "rolled-out" and res.batches == [["decode-0"], ["decode-1"]]
+    assert [s.result for s in res.slices] == ["rolled-out", "rolled-out"]
+    assert _restarts(ops) == [("new", [e.id for e in new.engines if e.instance == "decode-0"]),
+                              ("new", [e.id for e in new.engines if e.instance == "decode-1"])]
+    # each batch is drained from every router before its restart and re-added after its gates
+    removed = [u for _, op, u in ro.router_log if op == "remove"]
+    assert removed and set(removed) <= {f"http://{e.host_ip}:{e.port}" for e in new.engines if e.role == "decode"}
+    assert state.current(CLUSTER).release == ro.release and ops.current == new.releases
+
+
+def test_a_failed_canary_gate_rolls_the_canary_back_and_leaves_current_alone(tmp_path: Path) -> None:
+    ro, ops, old, new = _rollout_setup(tmp_path, {"decode-0-dp0"})
+    before = state.current(CLUSTER)
+    with pytest.raises(HostError) as exc:
+        ro.run()
+    assert "rolled back decode-0" in exc.value.message and "pair smoke of decode-0-dp0 failed" in exc.value.message
+    d0 = [e.id for e in new.engines if e.instance == "decode-0"]
+    assert _restarts(ops) == [("new", d0), ("old", d0)]   # decode-1 was never touched
+    assert not [c for c in ops.calls if c[0] == "switch"]  # the canary never reached its switch
+    assert {i: st["tag"] for h in ops.procs.values() for i, st in h.items()} == {
+        p.id: p.tag for p in desired_procs(old, ro.inv)}
+    assert state.current(CLUSTER) == before and state.history(CLUSTER)[-1].result == "rolled-back"
+
+
+def test_a_failed_second_batch_rolls_back_every_touched_slice_in_reverse_order(tmp_path: Path) -> None:
+    ro, ops, old, new = _rollout_setup(tmp_path, {"decode-1-dp0"})
+    before = state.current(CLUSTER)
+    with pytest.raises(HostError, match="rolled back decode-0, decode-1"):
+        ro.run()
+    d0 = [e.id for e in new.engines if e.instance == "decode-0"]
+    d1 = [e.id for e in new.engines if e.instance == "decode-1"]
+    assert _restarts(ops) == [("new", d0), ("new", d1), ("old", d1), ("old", d0)]
+    # the canary's hosts were switched to the new release: they are pointed back; `current` stays the old record
+    switches = [c[1] for c in ops.calls if c[0] == "switch"]
+    d0_hosts = {e.host for e in new.engines if e.instance == "decode-0"}
+    assert switches == [{h: new.releases[h] for h in d0_hosts}, {h: old.releases[h] for h in d0_hosts}]
+    assert ops.current == old.releases and state.current(CLUSTER) == before
+    rec = state.history(CLUSTER)[-1]
+    assert (rec.result, rec.release, rec.attempted_release) == ("rolled-back", before.release, ro.release)
+    assert {c["slice"]: c["result"] for c in rec.changes} == {"decode-0": "rolled-back", "decode-1": "rolled-back"}
+    # every endpoint is back in the routers
+    urls = {f"http://{e.host_ip}:{e.port}" for e in new.engines if e.serves_http}
+    assert all(set(r.members()) == urls for r in ro.routers)
