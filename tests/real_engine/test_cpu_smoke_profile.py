@@ -115,6 +115,7 @@ def test_pd_moves_kv_with_nixl_over_the_hosts_nic_by_default(tmp_path: Path) -> 
     assert r.proxy is not None and [x["port"] for x in r.proxy.prefill + r.proxy.decode] == [7100, 7100]
     assert "--kv-connector" not in r.proxy.argv and r.proxy.argv[r.proxy.argv.index("--prefill") + 2] == "--decode"
     assert engine_shims(plan) == {}
+    assert "--watch" not in r.files["atlas-01"]["proxy/proxy.sh"]  # NIXL's engine id travels with each request
     assert not [f for files in r.files.values() for f in files if "kimictl-kv" in files[f]]
 
 
@@ -138,6 +139,8 @@ def test_pd_with_mooncake_loads_the_cpu_shim_and_tells_the_router_the_bootstrap_
     argv = r.proxy.argv
     assert argv[argv.index("--kv-connector") + 1] == "mooncake"
     assert argv[argv.index("--prefill") + 1:argv.index("--prefill") + 3] == ["http://10.200.0.11:7100", "36000"]
+    # the router learns prefill's engine id from the bootstrap server only at its start: the front watches it
+    assert "--watch http://10.200.0.11:36000/query" in r.files["atlas-01"]["proxy/proxy.sh"]
     shims = engine_shims(plan)
     assert list(shims) == ["kimictl_mooncake_cpu.py"] and Path(shims["kimictl_mooncake_cpu.py"]).is_file()
     assert "kimictl.remote" not in shims["kimictl_mooncake_cpu.py"].replace("/", ".")
