@@ -34,12 +34,28 @@ TOPOLOGY = ROOT / "tests/real_engine/topologies/cpu-smoke-pd.yml"
 LANE = os.environ.get("KIMICTL_VLLM_PYTHON", "/var/tmp/kimictl-vllm-venv/bin/python")
 
 
+class Failed(Exception):
+    pass
+
+
 def kimictl(env: dict[str, str], *args: str) -> dict:
     proc = subprocess.run([sys.executable, "-m", "kimictl", *args, "--output", "json"], capture_output=True,
                           text=True, env=env, check=False, timeout=1800)
     if proc.returncode != 0:
-        raise SystemExit(f"kimictl {' '.join(args[:1])} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise Failed(f"kimictl {' '.join(args[:1])} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout) if proc.stdout.strip() else {}
+
+
+def engine_logs(sandbox_dir: Path, lines: int = 40) -> str:
+    """The last errors and warnings of each lane engine's log on the sandbox hosts (a failed deploy leaves them)."""
+    out = []
+    for host, name in (("atlas-01", "prefill-0-dp0"), ("atlas-02", "decode-0-dp0")):
+        tail = subprocess.run(["ssh", "-F", str(sandbox_dir / "ssh_config"), host,
+                               f"grep -E 'ERROR|WARNING|Traceback|Error' /var/lib/kimi/logs/{name}.log "
+                               f"| grep -v -E 'leaked|nanobind|ulimit' | tail -n {lines}"],
+                              capture_output=True, text=True, check=False, timeout=60).stdout
+        out.append(f"--- {host} {name}.log\n{tail}")
+    return "\n".join(out)
 
 
 def lane_inventory(sandbox_dir: Path, model_dir: Path, connector: str, out: Path) -> Path:
@@ -67,7 +83,7 @@ def measure(env: dict[str, str], inv: Path, requests: int) -> dict:
             code, body = health.http_post_json(url, {"model": served, "prompt": health.smoke_prompt(300, nonce=True),
                                                      "max_tokens": 8, "temperature": 0}, timeout=300)
             if code != 200:
-                raise SystemExit(f"completion through {url}: HTTP {code}: {str(body)[:300]}")
+                raise Failed(f"completion through {url}: HTTP {code}: {str(body)[:300]}")
             latencies.append(time.monotonic() - t)
     finally:
         kimictl(env, "stop", "-i", str(inv), "--yes")
@@ -96,7 +112,12 @@ def main() -> int:
         sb.up(2, "atlas-800-a3")
         try:
             for connector in args.connectors:
-                results[connector] = measure(env, lane_inventory(out / "sb", model, connector, out), args.requests)
+                try:
+                    results[connector] = measure(env, lane_inventory(out / "sb", model, connector, out),
+                                                 args.requests)
+                except Failed as exc:
+                    print(f"{connector}: {exc}\n{engine_logs(out / 'sb')}", file=sys.stderr)
+                    return 1
         finally:
             sb.down()
     print(f"load average after:  {os.getloadavg()[0]:.2f}")
