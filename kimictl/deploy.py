@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kimictl import health, state
-from kimictl.errors import HostError, InvalidInput, KimictlError
+from kimictl.errors import HostError, InvalidInput, KimictlError, guide
 from kimictl.facts import engine_profile
 from kimictl.hostops import ROLLBACK_READY_TIMEOUT_S, Change, HostOps, Proc, compute_changes, desired_procs
 from kimictl.inventory import Inventory
@@ -80,11 +80,12 @@ class Deployer:
                                     max_tokens=16, timeout=timeout, api_key=self.ops.api_key, http=self.http)
             if probe.code != 200 or not isinstance(probe.body, dict) or not probe.body.get("choices"):
                 raise HostError(f"smoke completion through {url} failed: HTTP {probe.code}: "
-                                f"{health.body_text(probe.body, 300)}", host=self.plan.proxy.host, step="smoke")
+                                f"{health.body_text(probe.body, 300)}", host=self.plan.proxy.host, step="smoke",
+                                hint=guide("t-smoke"))
             if not probe.ok:
                 raise HostError(f"smoke completion did not go prefill -> decode over the KV connector ({probe.detail});"
                                 " a silent decode-only fallback is a failed deploy", host=self.plan.proxy.host,
-                                step="smoke")
+                                step="smoke", hint=guide("t-no-kv"))
             return {"url": url, "text": probe.body["choices"][0].get("text", "")[:80], **probe.counters()}
         first = engines[0]
         url = f"http://{first.ip}:{first.port}/v1/completions"
@@ -94,7 +95,7 @@ class Deployer:
                                                     "temperature": 0}, timeout=timeout, api_key=self.ops.api_key)
         if code != 200 or not isinstance(body, dict) or not body.get("choices"):
             raise HostError(f"smoke completion through {url} failed: HTTP {code}: {health.body_text(body, 300)}",
-                            host=first.host, step="smoke")
+                            host=first.host, step="smoke", hint=guide("t-smoke"))
         after = {p.id: self.http.metric_totals(p.ip, p.port) for p in engines}
         moved = sum(after[p.id].get(health.GENERATION_COUNTER, 0) - before[p.id].get(health.GENERATION_COUNTER, 0)
                     for p in engines)
@@ -289,7 +290,8 @@ def change_diffs(inv: Inventory, rendered: Rendered, changes: list[Change]) -> d
             old_script = c.old["cmd"][-1] if c.old.get("cmd") else ""
             rel_dir = old_script.rsplit("/engines/", 1)[0] if "/engines/" in old_script else \
                 old_script.rsplit("/proxy/", 1)[0]
-            files = ([f"engines/{c.id}.env", f"engines/{c.id}.sh"] if c.id != "proxy" else ["proxy/proxy.sh"])
+            files = ([f"engines/{c.id}.env", f"engines/{c.id}.sh"] if c.id != "proxy" else
+                     sorted(p for p in rendered.files[name] if p.startswith("proxy/")))
             for rel in files:
                 texts[f"{c.id}|{rel}"] = s.run(f"cat {rel_dir}/{rel} 2>/dev/null || true").stdout
         return texts

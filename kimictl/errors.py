@@ -8,6 +8,11 @@ EXIT_INVALID = 2
 EXIT_DEGRADED = 3
 
 
+def guide(anchor: str) -> str:
+    """The operator's guide's row for what a message reports (its troubleshooting table): a hint's pointer."""
+    return f"docs/operators.md#{anchor}"
+
+
 class KimictlError(Exception):
     """Base of every error kimictl reports to a user (never shown as a traceback)."""
 

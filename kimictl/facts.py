@@ -276,6 +276,7 @@ class EngineProfile(Strict):
     kv_connectors: dict[str, KvTransfer] = Field(default_factory=dict)
     min_ready_timeout_s: float = 0.0       # floor for deploy's readiness wait (start-up dominated by imports)
     metrics: EngineMetrics                 # what "busy" and "served something" are called on its /metrics
+    router: str = "vllm-ascend-proxy"      # the P/D router (data/routers.yml) when the topology names none
     probe_timeout_s: float | None = None   # deploy's smoke and status's pair probe wait this long (else 60/30 s)
 
     def connector(self, name: str | None) -> tuple[str, KvTransfer] | None:

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kimictl import health, remote
-from kimictl.errors import HostError
+from kimictl.errors import HostError, guide
 from kimictl.inventory import Inventory
-from kimictl.secret_file import proxy_admin_key, proxy_admin_key_path, proxy_api_key
+from kimictl.router_kinds import proxy_ready
+from kimictl.secret_file import engine_api_key, engine_key_file, proxy_admin_key, proxy_admin_key_path, proxy_api_key
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class Proc:
     port: int
     serves_http: bool
     role: str
+    router: str | None = None  # the proxy's router kind (data/routers.yml): how its readiness is judged
 
     def start_action(self, replace: bool = False) -> dict[str, Any]:
         """The engines.yml start entry for this process (`replace`: stop whatever runs under its id first)."""
@@ -62,9 +64,8 @@ def _sha(*texts: str) -> str:
 
 def process_tag(files: dict[str, str], pid: str) -> str:
     """A process's tag: the hash of exactly the release files it runs (its restart trigger)."""
-    if pid == "proxy":
-        return _sha(files["proxy/proxy.sh"])
-    return _sha(*(files[p] for p in sorted(files) if p.startswith(f"engines/{pid}.")))
+    prefix = "proxy/" if pid == "proxy" else f"engines/{pid}."
+    return _sha(*(files[p] for p in sorted(files) if p.startswith(prefix)))
 
 
 def desired_procs(rendered: Rendered, inv: Inventory) -> list[Proc]:
@@ -84,7 +85,7 @@ def desired_procs(rendered: Rendered, inv: Inventory) -> list[Proc]:
         sd = inv.host(host).kimi_state_dir
         out.append(Proc(host, "proxy", "proxy", process_tag(rendered.files[host], "proxy"),
                         ["bash", f"{sd}/releases/{rendered.releases[host]}/proxy/proxy.sh"],
-                        rendered.proxy.host, rendered.proxy.port, True, "proxy"))
+                        rendered.proxy.host, rendered.proxy.port, True, "proxy", plan.proxy.router))
     return out
 
 
@@ -229,7 +230,9 @@ class HostOps:
             "bin": {**{name: str(remote.source(name)) for name in HOST_BIN}, **engine_shims(rendered.plan)},
             "hosts": {h: {"release": rendered.releases[h], "bundle": str(self._bundle(h))} for h in hosts},
             "proxy_host": p.host if p else None, "api_key_file": self.inv.cluster.kimi_api_key_file,
-            "admin_key_file": str(proxy_admin_key_path(self.inv.cluster.name)) if admin else None}, hosts)
+            "admin_key_file": str(proxy_admin_key_path(self.inv.cluster.name)) if admin else None,
+            "engine_key_file": str(key) if (key := engine_key_file(self.inv, rendered.plan.mode == "pd",
+                                                                   create=True)) else None}, hosts)
 
     def switch(self, releases: dict[str, str]) -> None:
         """Point each host's `current` at its release (switch.yml)."""
@@ -261,8 +264,13 @@ class HostOps:
         return observe(inv, accept_new_keys=self.accept_new_host_keys, connect=self.connect)
 
     def ready(self, p: Proc) -> health.Ready:
-        return self.http.engine_ready(p.ip, p.port, self.served_model_name,
-                                      api_key=self.api_key if p.kind == "proxy" else None)
+        if p.kind == "proxy":
+            return proxy_ready(p.router, p.ip, p.port, self.served_model_name, api_key=self.api_key, http=self.http)
+        return self.http.engine_ready(p.ip, p.port, self.served_model_name, api_key=self.engine_key(p.role))
+
+    def engine_key(self, role: str) -> str | None:
+        """The key engines of this role require (P/D: kimictl's engine key; colocated: the clients')."""
+        return engine_api_key(self.inv, role in ("prefill", "decode"))
 
     def log_tail(self, host: str, pid: str, lines: int = 30) -> str:
         sd = self.state_dir_of[host]
@@ -305,7 +313,8 @@ class HostOps:
             if now > deadline:
                 p = next(iter(pending.values()))
                 raise HostError(f"{p.id} did not become ready within {deadline - t0:.0f}s", host=p.host,
-                                step="readiness", log_tail=self.log_tail(p.host, p.id))
+                                step="readiness", log_tail=self.log_tail(p.host, p.id),
+                                hint=f"still loading, or hung: {guide('t-readiness')}")
             time.sleep(0.3)
 
     def _check_crashes(self, procs: list[Proc]) -> None:
@@ -318,4 +327,5 @@ class HostOps:
                 raise HostError(f"{p.kind} {p.id} crashed during start-up (state {st.get('state')}, "
                                 f"restarts {st.get('restarts', 0)}, last exit: {exit_text(st.get('last_exit'))})",
                                 host=p.host,
-                                step="engines", log_tail=self.log_tail(p.host, p.id))
+                                step="engines", log_tail=self.log_tail(p.host, p.id),
+                                hint=f"the log tail's last ERROR line says why: {guide('t-engine-start')}")

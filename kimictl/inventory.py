@@ -28,6 +28,7 @@ _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}")
 _CLUSTER = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _URL = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(?::\d+)?(?:/[A-Za-z0-9._~/%+-]*)?")
+_API_KEY = re.compile(r"[A-Za-z0-9._~+/=-]{1,4096}")
 _COMMAND = re.compile(r"[A-Za-z0-9._/+@-]+(?: [A-Za-z0-9._/+@=-]+)*")
 
 
@@ -174,6 +175,11 @@ KEYS: dict[str, Key] = {
     "kimi_state_dir": Key("both", "kimictl state directory on the host, default /var/lib/kimi"),
     "kimi_engine_command": Key("both", "engine command replacing `vllm` (e.g. a simulator), default vllm"),
     "kimi_router_command": Key("both", "P/D router command on the proxy host, default vllm-router (pip package)"),
+    "kimi_proxy_script": Key("both", "proxy.router vllm-ascend-proxy on kimi_runtime host: path of vllm-ascend's "
+                                     "examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py on the "
+                                     "proxy host (container runtime: the image's copy)"),
+    "kimi_proxy_python": Key("both", "python3 command on the proxy host that has fastapi, httpx and uvicorn, for "
+                                     "kimi_proxy_script; default python3"),
     "kimi_hardware": Key("host", "atlas-800-a2 or atlas-800-a3 (required)"),
     "kimi_role": Key("host", "prefill or decode: pins the host to a role"),
     "kimi_device_ips": Key("host", "NPU device IPs, one per NPU"),
@@ -240,6 +246,8 @@ class Host(BaseModel):
     kimi_state_dir: KimiDir = "/var/lib/kimi"
     kimi_engine_command: Command | None = None
     kimi_router_command: Command | None = None
+    kimi_proxy_script: AbsPath | None = None
+    kimi_proxy_python: Command = "python3"
     ansible_vars: dict[str, Any] = Field(default_factory=dict, exclude=True)
 
     @property
@@ -544,9 +552,14 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
                 seen_dev.setdefault(ip, h.name)
     if cluster.kimi_api_key_file:  # read where the commands that use it run: checked by validate and plan too
         try:
-            read_secret_file(Path(cluster.kimi_api_key_file), "kimi_api_key_file")
+            key = read_secret_file(Path(cluster.kimi_api_key_file), "kimi_api_key_file")
         except InvalidInput as exc:
             c.err(c.all_origin["kimi_api_key_file"].line, f"all.vars: {exc.message}")
+        else:
+            if not _API_KEY.fullmatch(key):  # it reaches env files a shell sources and `docker --env-file` reads
+                c.err(c.all_origin["kimi_api_key_file"].line, "all.vars: kimi_api_key_file: the key must be one "
+                      "token of letters, digits and ._~+/=- (no spaces, quotes, $ or backslashes): engines read it "
+                      "from an env file")
     names = [h.name for h in hosts]
     for key in ("kimi_proxy_host", "kimi_monitor_host"):
         value = getattr(cluster, key)

@@ -119,7 +119,8 @@ def current_procs(inv: Inventory, current: dict[str, Any]) -> list[Proc]:
         if man.get("proxy"):
             p = man["proxy"]
             procs.append(Proc(name, "proxy", "proxy", process_tag(files, "proxy"),
-                              ["bash", f"{base}/{p['command'][1]}"], h.ip, int(p["port"]), True, "proxy"))
+                              ["bash", f"{base}/{p['command'][1]}"], h.ip, int(p["port"]), True, "proxy",
+                              p.get("router")))
     return procs
 
 

@@ -20,6 +20,7 @@ from kimictl.hostops import LIVE_STATES, HostObservation, HostOps, Proc, compute
 from kimictl.inventory import Inventory
 from kimictl.observe import PROXY_EXPORTER_SRC, ObserveConfig, ObserveRender, load_config, seconds, write_observe
 from kimictl.plan import Plan
+from kimictl.router_kinds import router_kind
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import control_dir, new_run_dir
 
@@ -131,6 +132,11 @@ def desired_procs(plan: Plan, inv: Inventory, r: ObserveRender, cfg: ObserveConf
                f"{h.ip}:{cfg.proxy_exporter.port}", "--front-port", str(p.port), "--timeout", f"{probe_s:g}"]
         for rp in p.routers:
             cmd += ["--router", f"{rp.port}:{rp.metrics_port}"]
+        kind = router_kind(p.router)
+        if kind.membership != "workers":
+            cmd += ["--membership", kind.membership]
+        if kind.metrics_flag is None:
+            cmd += ["--no-router-metrics"]
         procs.append(Proc(h.name, PROXY_EXPORTER, "monitor", _tag(*cmd, PROXY_EXPORTER_SRC.read_text()), cmd, h.ip,
                           cfg.proxy_exporter.port, True, "proxy"))
     m = inv.host(r.monitor_host)

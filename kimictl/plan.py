@@ -17,6 +17,7 @@ from kimictl.facts import (
     TP_PARTS,
     EngineProfile,
     Hardware,
+    KvTransfer,
     ModelFacts,
     VersionProfile,
     engine_profile,
@@ -27,6 +28,7 @@ from kimictl.facts import (
     version_profile,
 )
 from kimictl.inventory import Host, Inventory
+from kimictl.router_kinds import RouterKind, router_kind
 from kimictl.topology import FrontLimits, Topology
 
 HCCL_DEFAULT_BUFFSIZE_MIB = 200  # HCCL's own default when HCCL_BUFFSIZE is unset
@@ -115,12 +117,13 @@ class ProxyPlan(_Model):
     host: str
     ip: str
     port: int
-    router: str
-    policy: str
+    router: str  # the router kind (data/routers.yml)
+    policy: str | None  # vllm-router's --policy; None for a router that schedules by itself
     prefill: list[Endpoint]
     decode: list[Endpoint]
     routers: list[RouterPort] = []  # loopback ports of the router copies behind the proxy port
     api_key: bool = False  # clients must send the inventory's kimi_api_key_file
+    router_why: str = ""  # why this router kind (printed by `kimictl plan`)
     # The routers' own API behind the front needs kimictl's admin key (False: a release made before it had one,
     # whose front took the client key there).
     admin_key: bool = False
@@ -167,6 +170,10 @@ class Plan(_Model):
     switches: list[SwitchDecision]
     ports: list[PortUse]
     warnings: list[str]
+    # Engines require an API key (kimi_api_key_file is set; secret_file.engine_key_file says which key), delivered
+    # from a 0600 env file on the host; they listen on the host's business IP unless the topology's engine_bind is all.
+    engine_api_key: bool = False
+    engine_bind: str = "host-ip"
 
     def engines_on(self, host: str) -> list[Engine]:
         return [e for e in self.engines if e.host == host]
@@ -540,10 +547,6 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
                             "(MooncakeConnectorV1 pulls KV from P TP ranks into D TP ranks)")
 
     conn = prof.connector(inv.cluster.kimi_kv_connector) if topo.mode == "pd" else None
-    if conn and topo.proxy and topo.proxy.router not in conn[1].routers:
-        raise PlanError(f"kimi_kv_connector {conn[0]} ({conn[1].kv_connector}) does not work behind proxy router "
-                        f"{topo.proxy.router}", hint=f"use a router that speaks its protocol: "
-                        f"{', '.join(conn[1].routers)}, or another kimi_kv_connector")
     groups = _assign(inv, topo, hw)
     ports = _Ports()
     instances: list[Instance] = []
@@ -609,9 +612,11 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
             return [Endpoint(host=e.host, ip=e.host_ip, port=e.port, engine=e.id)
                     for e in engines if e.role == role and e.serves_http]
 
-        proxy = ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=topo.proxy.router,
-                          policy=topo.proxy.policy, prefill=endpoints("prefill"), decode=endpoints("decode"),
-                          routers=routers, api_key=inv.cluster.kimi_api_key_file is not None, admin_key=True,
+        kind, why = _router_kind(inv, topo, prof, role_cfg, decisions, ver, phost, conn)
+        proxy = ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=kind.name,
+                          policy=topo.proxy.policy or "round_robin" if kind.name == "vllm-router" else None,
+                          prefill=endpoints("prefill"), decode=endpoints("decode"), routers=routers,
+                          api_key=inv.cluster.kimi_api_key_file is not None, router_why=why, admin_key=True,
                           limits=FrontLimits(**{k: getattr(topo.proxy, k) for k in FrontLimits.model_fields}))
 
     return Plan(
@@ -621,8 +626,74 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         served_model_name=facts.served_model_name, engine_profile=prof.name, kv_connector=conn[0] if conn else None,
         host_roles=host_roles,
         instances=instances, engines=engines, proxy=proxy, role_config=role_cfg, fits=fits, switches=decisions,
-        ports=ports.uses, warnings=warnings,
+        ports=ports.uses, warnings=warnings, engine_api_key=inv.cluster.kimi_api_key_file is not None,
+        engine_bind=topo.engine_bind,
     )
+
+
+def recompute_roles(role_cfg: dict[str, RoleConfig], decisions: list[SwitchDecision],
+                    ver: VersionProfile) -> list[str]:
+    """Roles whose engines end requests as "recomputed" for the proxy to replay: the recompute_scheduler switch,
+    or its additional-config key set directly (top level, or nested under scheduler_config as 0.26+ reads it)."""
+    spelling = ver.switches.get("recompute_scheduler")
+    key = (spelling.additional_config or "").rsplit(".", 1)[-1] if spelling else "recompute_scheduler_enable"
+    out = [d.role for d in decisions if d.switch == "recompute_scheduler" and d.state == "on"]
+    for role, cfg in role_cfg.items():
+        extra = cfg.additional_config
+        nested = extra.get("scheduler_config")
+        if (extra.get(key) or (isinstance(nested, dict) and nested.get(key))) and role not in out:
+            out.append(role)
+    return out
+
+
+def _router_kind(inv: Inventory, topo: Topology, prof: EngineProfile, role_cfg: dict[str, RoleConfig],
+                 decisions: list[SwitchDecision], ver: VersionProfile, phost: Host,
+                 conn: tuple[str, KvTransfer] | None = None) -> tuple[RouterKind, str]:
+    """The P/D router kind and why; PlanError for a combination that cannot work. The engine profile's connector
+    (kimi_kv_connector) lists the router kinds that speak its protocol: without a topology choice the first of them
+    replaces a profile default it does not list."""
+    assert topo.proxy is not None
+    kind = router_kind(topo.proxy.router or prof.router)
+    source = "topology proxy.router" if topo.proxy.router else f"engine profile {prof.name}'s default"
+    if conn and kind.name not in conn[1].routers:
+        if topo.proxy.router:
+            speak = ", ".join(conn[1].routers)
+            raise PlanError(f"kimi_kv_connector {conn[0]} ({conn[1].kv_connector}) does not work behind proxy.router "
+                            f"{kind.name}", hint=f"use a router that speaks its protocol ({speak}), or another "
+                            "kimi_kv_connector")
+        kind = router_kind(next(iter(conn[1].routers)))
+        source = f"kimi_kv_connector {conn[0]} works behind {', '.join(conn[1].routers)} only"
+    why = f"{kind.name} ({source}): {kind.why}"
+    if kind.name == "vllm-router":
+        roles = recompute_roles(role_cfg, decisions, ver)
+        if roles:
+            raise PlanError(
+                f"{', '.join(roles)}: switch recompute_scheduler is on, but proxy.router vllm-router does not replay "
+                "requests a decode engine ends as \"recomputed\" when its KV cache runs out: clients would get "
+                "truncated answers",
+                details=["vllm-ascend's RecomputeScheduler ends the request with stop_reason \"recomputed\" and "
+                         "leaves the replay to the P/D proxy; vllm-router passes that ending to the client"],
+                hint="use proxy.router: vllm-ascend-proxy (the default for vLLM-Ascend; it replays them), or turn "
+                     f"recompute off (roles.{roles[0]}.switches.recompute_scheduler: false, and no "
+                     "recompute_scheduler_enable in its additional-config)")
+    if kind.engine_key != "env" and inv.cluster.kimi_api_key_file:
+        raise PlanError(
+            f"kimi_api_key_file is set, so every engine requires an API key, but proxy.router {kind.name} can send "
+            "the engines a key only on its command line (--api-key), where any local user could read it",
+            details=["measured: vllm-router 0.1.17 sends `Authorization: Bearer <--api-key or empty>` to the engines"],
+            hint="use proxy.router: vllm-ascend-proxy (the default; it sends the key from its environment), or "
+                 "remove kimi_api_key_file")
+    if kind.name != "vllm-router" and topo.proxy.policy:
+        raise PlanError(f"proxy.policy {topo.proxy.policy} is vllm-router's; proxy.router {kind.name} picks engines "
+                        "by its own load score", hint="remove proxy.policy, or use proxy.router: vllm-router")
+    if kind.script and inv.cluster.kimi_runtime == "host" and not phost.kimi_proxy_script:
+        raise PlanError(
+            f"proxy.router {kind.name} on kimi_runtime host needs kimi_proxy_script on {phost.name}: the path of "
+            f"{kind.script.rsplit('/', 1)[-1]} on the proxy host",
+            hint=f"install vllm-ascend's source tree on the proxy host and set kimi_proxy_script to "
+                 f"<tree>/{kind.script} (and kimi_proxy_python to a python3 with "
+                 f"{', '.join(kind.python_modules)}); or kimi_runtime: container (it runs from the image)")
+    return kind, why
 
 
 def fit_lines(fit: MemoryFit) -> list[str]:

@@ -17,6 +17,7 @@ from kimictl.facts import VersionProfile, check_specs, engine_profile, hardware_
 from kimictl.inventory import Host, Inventory
 from kimictl.plan import Plan
 from kimictl.render import render_template
+from kimictl.router_kinds import router_kind
 from kimictl.ssh import Session, Sessions, SSHError
 from kimictl.state import cached_manifest_bytes
 
@@ -208,6 +209,11 @@ def _host_checks(j: _Judge, inv: Inventory, plan: Plan, h: Host, p: Probe, need_
               f"CANN {cann or 'not found'}; vllm-ascend {ver.version} needs {', '.join(ver.compat.cann)}")
         eng = p.text("engine").strip()
         j.add("RT-001", h.name, p.rc("engine") == 0, f"engine command: {eng or 'not found on PATH'}")
+        if _proxy_check(inv, plan, h):
+            out = p.text("proxy").strip()
+            j.add("RT-003", h.name, p.rc("proxy") == 0,
+                  f"{h.kimi_proxy_script} runs on python {out}" if p.rc("proxy") == 0 else
+                  f"{h.kimi_proxy_script} with {h.kimi_proxy_python}: {out.splitlines()[-1] if out else 'failed'}")
     else:
         j.add("VER-003", h.name, None, "container runtime: CANN comes with the image")
         j.add("VER-005", h.name, p.rc("image") == 0,
@@ -381,7 +387,21 @@ def _probe_script(inv: Inventory, plan: Plan, h: Host, pings: list[dict]) -> str
         ports=sorted({port for u in plan.ports if u.host == h.name for port in range(u.first, u.last + 1)}),
         model_dir=inv.cluster.kimi_model_dir, state_dir=h.kimi_state_dir, nic=h.kimi_nic,
         runtime=inv.cluster.kimi_runtime, image=plan.image, pings=pings, ping_flag=hw.device_ping,
-        engine_command=(h.kimi_engine_command or "vllm").split()[0])  # the program, not its arguments
+        engine_command=(h.kimi_engine_command or "vllm").split()[0],  # the program, not its arguments
+        proxy_check=_proxy_check(inv, plan, h))
+
+
+def _proxy_check(inv: Inventory, plan: Plan, h: Host) -> list[str] | None:
+    """The proxy host's check of the upstream P/D proxy it runs on kimi_runtime host: the script is there and the
+    python that runs it imports what the script imports. None where there is nothing to check."""
+    if not plan.proxy or plan.proxy.host != h.name or inv.cluster.kimi_runtime != "host":
+        return None
+    kind = router_kind(plan.proxy.router)
+    if not kind.script or not h.kimi_proxy_script:
+        return None
+    code = ("import os, sys; f = sys.argv[1]; os.path.isfile(f) or sys.exit('no such file: ' + f); "
+            f"import {', '.join(kind.python_modules)}; print(sys.version.split()[0])")
+    return [*shlex.split(h.kimi_proxy_python), "-c", code, h.kimi_proxy_script]
 
 
 def run_preflight(inv: Inventory, plan: Plan, *, timeout: float = 20.0, accept_new_keys: bool = False,

@@ -290,6 +290,7 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
     if any(k not in (nd.template.get("envs") or {}) for nd in nodes for k in timeouts):
         out.deviate("hccl-timeouts", ", ".join(f"{k}={v}" for k, v in timeouts.items()) + " on every engine")
     out.deviate("host-ip", "VLLM_HOST_IP=<host IP> on every engine")
+    out.deviate("engine-bind", "engines listen on --host <host IP>, not 0.0.0.0")
     if ver.env_prepend:
         out.deviate("mooncake-lib-path", "LD_LIBRARY_PATH prepended: " + ", ".join(ver.env_prepend.values()))
     if ver.preload:
@@ -300,7 +301,8 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
         out.deviate("draft-path", f"the draft loads from kimi_draft_model_dir ({speculative['model_id']} staged "
                                   "there); speculative decoding is on only when it is set")
     out.miss("routing", "the CI proxy (load_balance_proxy_server_example.py on node 0, port 1999)",
-             "kimictl's topology uses vllm-router behind its proxy front on port 8000")
+             "kimictl runs the same proxy (proxy.router vllm-ascend-proxy, the default) as copies behind its proxy "
+             "front on port 8000 of the proxy host")
     if not model:
         out.miss("model", mid, "no kimictl model facts; the plan estimates HBM with Kimi K2.5 W4A8's numbers")
     topo: dict[str, Any] = {
@@ -312,7 +314,7 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
         "launch": "external-dp",
         "share": {"prefill": instances["prefill"]["count"], "decode": instances["decode"]["count"]},
         "ports": ports,
-        "proxy": {"router": "vllm-router", "port": 8000, "policy": "round_robin"},
+        "proxy": {"port": 8000},
     }
     if common_env:
         topo["env"] = common_env

@@ -16,6 +16,7 @@ from kimictl.facts import engine_profile, hardware_catalogue, version_profile
 from kimictl.inventory import Inventory
 from kimictl.plan import Engine, Plan
 from kimictl.resources import templates_dir
+from kimictl.router_kinds import router_kind
 from kimictl.topology import Topology
 
 RENDER_SCHEMA_VERSION = 1
@@ -25,6 +26,10 @@ PROXY_FRONT = "bin/proxy_front.py"
 PROXY_FRONT_STATE = "run/proxy-front/state.json"
 PROXY_API_KEY = "secrets/proxy-api-key"
 PROXY_ADMIN_KEY = "secrets/proxy-admin-key"
+# The engines' API key as an env file (VLLM_API_KEY=..., 0600), on every host when the plan keys its engines.
+ENGINE_KEY_ENV = "secrets/engine-api-key.env"
+# Next to proxy.sh in a release: runs a router copy's command inside the engines' image (container runtime).
+PROXY_CONTAINER_SCRIPT = "router.container.sh"
 # Engine-side shims of the lane's engine profile (they run inside the engine, e.g. kimictl_mooncake_cpu.py): deploy
 # ships the one the plan's connector names to <kimi_state_dir>/bin/ with the supervisor.
 ENGINE_SHIM_DIR = Path(__file__).parent / "sandbox"
@@ -184,7 +189,8 @@ def engine_argv(plan: Plan, inv: Inventory, topo: Topology, e: Engine) -> list[s
     cfg = plan.role_config[e.role]
     prof = engine_profile(plan.engine_profile)
     cmd = shlex.split(host.kimi_engine_command or prof.command)
-    argv = [*cmd, *_fill(prof.serve_args, model_dir=plan.model_dir), "--host", "0.0.0.0", "--port", str(e.port)]
+    bind = e.host_ip if plan.engine_bind == "host-ip" else "0.0.0.0"
+    argv = [*cmd, *_fill(prof.serve_args, model_dir=plan.model_dir), "--host", bind, "--port", str(e.port)]
     argv += ["--data-parallel-size", str(e.dp_size)]
     if plan.launch == "external-dp":
         if e.dp_size > 1:  # vLLM refuses a DP rank (external load balancing) when the DP size is 1
@@ -256,22 +262,34 @@ def container_spec(plan: Plan, inv: Inventory, e: Engine) -> dict[str, Any]:
 
 
 def proxy_argv(plan: Plan, inv: Inventory) -> list[str]:
-    """One router copy's command; the proxy front gives each copy its loopback --host/--port/--prometheus-port."""
+    """One router copy's command, per router kind (data/routers.yml), one entry per DP-rank endpoint; the proxy
+    front appends each copy's loopback --host/--port (and metrics port flag, for a kind that has one)."""
     p = plan.proxy
     assert p is not None
-    router = shlex.split(inv.host(p.host).kimi_router_command or "vllm-router")
-    argv = [*router, "--policy", p.policy, "--vllm-pd-disaggregation"]
+    host = inv.host(p.host)
+    kind = router_kind(p.router)
     picked = engine_profile(plan.engine_profile).connector(plan.kv_connector)
-    needs = picked[1].routers[p.router] if picked else None
-    argv += needs.args if needs else []
-    engines = {e.id: e for e in plan.engines}
-    for ep in p.prefill:
-        argv += ["--prefill", f"http://{ep.ip}:{ep.port}"]
-        if needs and needs.prefill_bootstrap_port:
-            argv.append(str(connector_port(plan, engines[ep.engine])))
-    for ep in p.decode:
-        argv += ["--decode", f"http://{ep.ip}:{ep.port}"]
-    return argv
+    needs = picked[1].routers[p.router] if picked else None  # what this router needs for the profile's connector
+    if kind.name == "vllm-router":
+        argv = [*shlex.split(host.kimi_router_command or "vllm-router"), "--policy", str(p.policy),
+                "--vllm-pd-disaggregation", *(needs.args if needs else [])]
+        engines = {e.id: e for e in plan.engines}
+        for ep in p.prefill:
+            argv += ["--prefill", f"http://{ep.ip}:{ep.port}"]
+            if needs and needs.prefill_bootstrap_port:
+                argv.append(str(connector_port(plan, engines[ep.engine])))
+        for ep in p.decode:
+            argv += ["--decode", f"http://{ep.ip}:{ep.port}"]
+        return argv + kind.args
+    if plan.runtime == "container":  # the script in the engines' image (same version), run by router.container.sh
+        cmd = ["bash", f"./{PROXY_CONTAINER_SCRIPT}", "python3", kind.image_script]
+    else:
+        assert host.kimi_proxy_script, "the planner requires kimi_proxy_script on kimi_runtime host"
+        cmd = [*shlex.split(host.kimi_proxy_python), host.kimi_proxy_script]
+    return [*cmd,
+            "--prefiller-hosts", *(ep.ip for ep in p.prefill), "--prefiller-ports", *(str(ep.port) for ep in p.prefill),
+            "--decoder-hosts", *(ep.ip for ep in p.decode), "--decoder-ports", *(str(ep.port) for ep in p.decode),
+            *kind.args, *(needs.args if needs else [])]
 
 
 def engine_id_urls(plan: Plan) -> list[str]:
@@ -290,10 +308,15 @@ def front_argv(plan: Plan, inv: Inventory) -> list[str]:
     p = plan.proxy
     assert p is not None
     sd = inv.host(p.host).kimi_state_dir
+    kind = router_kind(p.router)
     argv = ["python3", f"{sd}/{PROXY_FRONT}", "run", "--listen", f"0.0.0.0:{p.port}", "--state",
             f"{sd}/{PROXY_FRONT_STATE}"]
     for r in p.routers:
         argv += ["--router", f"{r.port}:{r.metrics_port}"]
+    if kind.health_path != "/health":  # the front's checks of its copies, and what the proxy port's /health asks
+        argv += ["--router-health", kind.health_path]
+    if kind.metrics_flag is None:
+        argv += ["--no-router-metrics"]
     for url in engine_id_urls(plan):
         argv += ["--watch", url]
     if p.api_key:
@@ -360,7 +383,9 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
         prepend = plan.role_config[e.role].env_prepend
         preload = plan.role_config[e.role].preload
         engines.append(RenderedEngine(**e.model_dump(), argv=argv, env=env, env_prepend=prepend, preload=preload))
-        ctx = {"plan": plan, "engine": e, "env": env, "env_prepend": prepend, "preload": preload, "argv": argv}
+        key_env = f"{inv.host(e.host).kimi_state_dir}/{ENGINE_KEY_ENV}" if plan.engine_api_key else None
+        ctx = {"plan": plan, "engine": e, "env": env, "env_prepend": prepend, "preload": preload, "argv": argv,
+               "key_env": key_env}
         out = files[e.host]
         out[f"engines/{e.id}.env"] = render_template("engine.env.j2", **ctx)
         out[f"engines/{e.id}.sh"] = render_template("engine.sh.j2", **ctx)
@@ -376,8 +401,13 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             prefill=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.prefill],
             decode=[{"host": x.ip, "port": x.port, "engine": x.engine} for x in p.decode], argv=proxy_argv(plan, inv),
             routers=[r.model_dump() for r in p.routers], api_key=p.api_key)
-        files[p.host]["proxy/proxy.sh"] = render_template("proxy.sh.j2", plan=plan, proxy=p,
-                                                          argv=front_argv(plan, inv))
+        kind = router_kind(p.router)
+        key_env = f"{inv.host(p.host).kimi_state_dir}/{ENGINE_KEY_ENV}" if plan.engine_api_key else None
+        files[p.host]["proxy/proxy.sh"] = render_template("proxy.sh.j2", plan=plan, proxy=p, kind=kind,
+                                                          argv=front_argv(plan, inv), key_env=key_env)
+        if kind.image_root and plan.runtime == "container":
+            files[p.host][f"proxy/{PROXY_CONTAINER_SCRIPT}"] = render_template(
+                "router.container.sh.j2", plan=plan, proxy=p, container=f"kimi-{plan.cluster}-proxy-copy")
 
     releases: dict[str, str] = {}
     for host, out in files.items():
@@ -394,7 +424,7 @@ def render(plan: Plan, inv: Inventory, topo: Topology) -> Rendered:
             ],
             "proxy": None if not (plan.proxy and plan.proxy.host == host) else
             {"port": plan.proxy.port, "command": ["bash", "proxy/proxy.sh"], "routers": len(plan.proxy.routers),
-             "api_key": plan.proxy.api_key, "admin_key": plan.proxy.admin_key},
+             "api_key": plan.proxy.api_key, "admin_key": plan.proxy.admin_key, "router": plan.proxy.router},
         }
         out["manifest.json"] = render_template("manifest.json.j2", manifest=manifest)
     return Rendered(plan=plan, engines=engines, proxy=proxy, files=files, releases=releases)

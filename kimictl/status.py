@@ -8,11 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kimictl import ascend, health
+from kimictl.errors import guide
 from kimictl.facts import engine_profile
 from kimictl.inventory import Inventory
 from kimictl.observe_up import monitoring_status
 from kimictl.render import PROXY_FRONT_STATE
-from kimictl.secret_file import proxy_admin_key, proxy_api_key
+from kimictl.router_kinds import RouterError, membership_client, proxy_ready
+from kimictl.secret_file import engine_api_key, proxy_admin_key, proxy_api_key
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import current as recorded_release
 
@@ -63,6 +65,7 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
     record = recorded_release(inv.cluster.name)  # a damaged record: exit 2 before any host is contacted
     probes = _probe(inv, timeout)
     api_key = proxy_api_key(inv)
+    engine_keys = {pd: engine_api_key(inv, pd) for pd in (True, False)}  # the key engines require, P/D or not
     engines: list[dict[str, Any]] = []
     proxy: dict[str, Any] | None = None
     drift: list[dict[str, Any]] = []
@@ -97,6 +100,7 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
             sup = got["supervised"].get("proxy")
             proxy = {"host": h.name, "ip": h.ip, "port": man["proxy"]["port"],
                      "routers": int(man["proxy"].get("routers", 0)), "admin_key": bool(man["proxy"].get("admin_key")),
+                     "router": man["proxy"].get("router") or "vllm-router",  # releases before router kinds
                      "state": "stopped" if sup is None else _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")}
             stale = _stale_engine_ids((got.get("front") or {}).get("watch"))
             if stale:
@@ -104,10 +108,11 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
 
     def readiness(row: dict[str, Any]) -> None:
         if row["state"] == "starting" and row.get("serves_http", True):
-            ok = health.engine_ready(row["ip"], row["port"], served or "", timeout=3,
-                                     api_key=api_key if row is proxy else None).ok
+            ok = (proxy_ready(row["router"], row["ip"], row["port"], served or "", timeout=3, api_key=api_key)
+                  if row is proxy else health.engine_ready(row["ip"], row["port"], served or "", timeout=3,
+                                                           api_key=engine_keys[row["role"] != "colocated"])).ok
             row["state"] = "ready" if ok else "starting"
-            if ok:
+            if ok and row is not proxy:  # engines' vLLM metrics; the proxy port has none of its own
                 row["metrics"] = _engine_metrics(row["ip"], row["port"])
         elif row["state"] == "starting":
             row["state"] = "ready"  # headless internal-DP workers have no HTTP; alive under the supervisor
@@ -164,21 +169,18 @@ def _stale_engine_ids(watch: dict[str, Any] | None) -> str | None:
 
 
 def _membership(engines: list[dict[str, Any]], proxy: dict[str, Any], api_key: str | None) -> list[dict[str, Any]]:
-    """Each router copy behind the proxy against the deployed endpoints: a router that lost one (a drain left
-    behind, a restart with another membership) routes around capacity the plan has."""
+    """Each router copy behind the proxy against the deployed endpoints, from the copy's own membership API: a router
+    that lost one (a drain left behind, a restart with another membership) routes around capacity the plan has."""
     want = {f"http://{r['ip']}:{r['port']}": r["id"] for r in engines
             if r["role"] in ("prefill", "decode") and r.get("serves_http")}
     base = f"http://{proxy['ip']}:{proxy['port']}"
     urls = [f"{base}/kimictl/router/{i}" for i in range(proxy["routers"])] or [base]
     out = []
     for i, url in enumerate(urls):
-        code, text = health.http_get(f"{url}/workers", 5, api_key)
         try:
-            members = {str(w["url"]).rstrip("/") for w in json.loads(text)["workers"]} if code == 200 else None
-        except (ValueError, KeyError, TypeError):
-            members = None
-        if members is None:
-            out.append({"router": i, "error": f"GET /workers -> {code or 'unreachable'}: {text[:120]}"})
+            members = set(membership_client(proxy["router"], url, api_key, timeout=5).members())
+        except RouterError as exc:
+            out.append({"router": i, "error": exc.message.removeprefix(f"router {url}: ")[:160]})
             continue
         out.append({"router": i, "members": len(members), "missing": sorted(want[u] for u in set(want) - members),
                     "unknown": sorted(members - set(want))})
@@ -198,4 +200,5 @@ def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: st
                             timeout=timeout, api_key=api_key)
     return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec],
             "state": "ok" if probe.ok else "failed",
-            "detail": probe.detail + ("" if probe.code == 200 else f": {health.body_text(probe.body)}")}
+            "detail": probe.detail + ("" if probe.code == 200 else f": {health.body_text(probe.body)}"),
+            **({} if probe.ok else {"hint": guide("t-pair-probe" if probe.code != 200 else "t-no-kv")})}

@@ -87,10 +87,15 @@ class FrontLimits(_Strict):
                                                                "next request")
 
 
+RouterKind = Literal["vllm-ascend-proxy", "vllm-router"]  # kimictl/data/routers.yml
+
+
 class Proxy(FrontLimits):
-    router: Literal["vllm-router"] = "vllm-router"
+    router: RouterKind | None = Field(None, description="the P/D router behind kimictl's front (data/routers.yml); "
+                                                        "default the engine profile's (ascend: vllm-ascend-proxy)")
     port: int = Field(8000, ge=1024, le=65535)
-    policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] = "round_robin"
+    policy: Literal["round_robin", "random", "cache_aware", "power_of_two"] | None = Field(
+        None, description="vllm-router's --policy (default round_robin); vllm-ascend-proxy schedules by load itself")
     routers: int = Field(2, ge=1, le=4, description="router copies behind the proxy port; with 2 or more a router "
                                                     "restart (re-adding drained workers) never refuses a client")
     router_port_base: int | None = Field(None, ge=1024, le=65000,
@@ -146,6 +151,9 @@ class Topology(_Strict):
     share: dict[Literal["prefill", "decode"], Annotated[int, Field(ge=1, le=64)]] = Field(
         default_factory=lambda: {"prefill": 1, "decode": 1}, description="how spare hosts split between roles")
     ports: Ports = Field(default_factory=Ports)
+    engine_bind: Literal["host-ip", "all"] = Field(
+        "host-ip", description="where engines listen: the host's business IP (kimi_host_ip or ansible_host), or all "
+                               "interfaces (0.0.0.0)")
     proxy: Proxy | None = None
     env: EnvMap = Field(default_factory=dict)
     serve: ServeMap = Field(default_factory=dict)

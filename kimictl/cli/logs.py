@@ -40,11 +40,12 @@ def logs(
     """Tail each engine's and the proxy's log, or collect everything into one redacted tarball."""
     from kimictl.inventory import load_inventory
     from kimictl.logs import Redactor, build_bundle, tail_logs
-    from kimictl.secret_file import proxy_admin_key, proxy_api_key
+    from kimictl.secret_file import engine_api_key, proxy_admin_key, proxy_api_key
 
     inv = load_inventory(inventory).limited(host)
     redactor = Redactor.from_config(secrets_file=secrets_file,
-                                    known=filter(None, [proxy_api_key(inv), proxy_admin_key(inv.cluster.name)]))
+                                    known=filter(None, [proxy_api_key(inv), proxy_admin_key(inv.cluster.name),
+                                                        engine_api_key(inv, pd=True)]))
     err = stderr_console()
     if redactor.skipped_short:
         err.print(f"[yellow]{redactor.skipped_short} configured secret value(s) shorter than 4 characters are not "

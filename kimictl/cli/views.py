@@ -66,9 +66,12 @@ def plan_view(plan: Plan) -> Group:
     if plan.proxy:
         p = plan.proxy
         parts.append(Text.assemble(("P/D proxy ", "bold"), f"{p.host} ({p.ip}:{p.port}), {len(p.routers)} {p.router} "
-                                   f"cop{'y' if len(p.routers) == 1 else 'ies'} behind it, policy {p.policy}"
-                                   f"{', API key' if p.api_key else ''}: {len(p.prefill)} prefill and "
+                                   f"cop{'y' if len(p.routers) == 1 else 'ies'} behind it"
+                                   + (f", policy {p.policy}" if p.policy else "")
+                                   + f"{', API key' if p.api_key else ''}: {len(p.prefill)} prefill and "
                                    f"{len(p.decode)} decode endpoints"))
+        if p.router_why:
+            parts.append(Text(f"router: {p.router_why}"))
     for w in plan.warnings:
         parts.append(Text(f"warning: {w}", style="yellow"))
     return Group(*parts)
@@ -170,6 +173,8 @@ def status_view(doc: dict) -> Group:
     for pair in doc["pairs"]:
         parts.append(Text(f"P/D pair probe: {pair['state']} - {pair.get('detail', '')}",
                           style="green" if pair["state"] == "ok" else "bold red"))
+        if pair.get("hint"):
+            parts.append(Text(f"hint: {pair['hint']}"))
     for d in doc["drift"]:
         parts.append(Text(f"drift: {d['host']} runs {d['current']}, recorded {d['recorded']}", style="yellow"))
     if mon := doc.get("monitoring"):

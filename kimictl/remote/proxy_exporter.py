@@ -7,9 +7,11 @@ scrape:
 
 - `GET /metrics`: `kimi_proxy_front_up` (the front answers GET /health on the proxy port), and per router copy
   `kimi_proxy_router_up`, `kimi_proxy_router_workers{worker_type}` and one `kimi_proxy_router_worker{url}` per
-  worker, from the copy's own `GET /workers` on its loopback port;
+  worker, from the copy's own membership API on its loopback port (`--membership workers`: vllm-router's
+  `GET /workers`; `instances`: vllm-ascend's proxy, whose `POST /instances/add` of nothing lists its instances);
 - `GET /router/<i>/metrics`: router copy i's own Prometheus metrics (its loopback --prometheus-port), relayed, so
-  a Prometheus on another host can scrape every copy.
+  a Prometheus on another host can scrape every copy (a router without metrics: an empty answer while the copy
+  answers its membership API, so the target's `up` still says whether the copy runs).
 
 Runs on the hosts' python3 (3.9 or newer).
 """
@@ -34,10 +36,12 @@ def log(message):
     sys.stderr.flush()
 
 
-def fetch(url, timeout):
-    """(status, body bytes, content type); status 0 when nothing answered."""
+def fetch(url, timeout, body=None):
+    """(status, body bytes, content type) of a GET, or a POST of the JSON `body`; status 0 when nothing answered."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"} if data else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read(), r.headers.get("Content-Type", "text/plain")
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read(), "text/plain"
@@ -63,19 +67,36 @@ def workers_of(body):
         return None
 
 
+def instances_of(body):
+    """[(role, url, healthy)] from vllm-ascend's proxy's /instances/add answer; None when it is not that shape. It
+    keeps no health per instance: a listed one counts as healthy."""
+    try:
+        doc = json.loads(body)
+        return [(role, f"http://{x}", True) for role in WORKER_TYPES for x in doc[f"current_{role}_instances"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# per --membership: (what the probe asks, the JSON it posts or None for a GET, how its answer is read)
+MEMBERSHIP = {"workers": ("/workers", None, workers_of),
+              "instances": ("/instances/add", {"type": "prefill", "instances": []}, instances_of)}
+
+
 class Exporter:
-    def __init__(self, front_port, routers, timeout):
+    def __init__(self, front_port, routers, timeout, membership="workers", metrics=True):
         self.front_port, self.routers, self.timeout = front_port, routers, timeout
+        self.path, self.post, self.parse = MEMBERSHIP[membership]
+        self.metrics = metrics
 
     def collect(self):
         """Exposition text: the front and every router copy, probed in parallel (one scrape, one deadline)."""
         results = {}
 
-        def probe(key, url):
-            results[key] = fetch(url, self.timeout)
+        def probe(key, url, body=None):
+            results[key] = fetch(url, self.timeout, body)
 
         jobs = [("front", f"http://127.0.0.1:{self.front_port}/health")]
-        jobs += [(i, f"http://127.0.0.1:{port}/workers") for i, (port, _m) in enumerate(self.routers)]
+        jobs += [(i, f"http://127.0.0.1:{port}{self.path}", self.post) for i, (port, _m) in enumerate(self.routers)]
         threads = [threading.Thread(target=probe, args=job, daemon=True) for job in jobs]
         for t in threads:
             t.start()
@@ -85,13 +106,13 @@ class Exporter:
             "# HELP kimi_proxy_front_up 1 when the proxy front answers GET /health on the proxy port.",
             "# TYPE kimi_proxy_front_up gauge",
             f"kimi_proxy_front_up {1 if results.get('front', (0,))[0] == 200 else 0}",
-            "# HELP kimi_proxy_router_up 1 when the router copy answers GET /workers on its loopback port.",
+            "# HELP kimi_proxy_router_up 1 when the router copy answers its membership API on its loopback port.",
             "# TYPE kimi_proxy_router_up gauge",
         ]
         members = {}
         for i, (port, _m) in enumerate(self.routers):
             status, body, _ct = results.get(i, (0, b"", ""))
-            members[i] = workers_of(body) if status == 200 else None
+            members[i] = self.parse(body) if status == 200 else None
             lines.append(f"kimi_proxy_router_up{labels(router=i, port=port)} {0 if members[i] is None else 1}")
         lines += ["# HELP kimi_proxy_router_workers Workers the router copy lists, by worker type.",
                   "# TYPE kimi_proxy_router_workers gauge"]
@@ -112,6 +133,14 @@ class Exporter:
         """(status, body, content type) of router copy `index`'s own metrics endpoint."""
         if index >= len(self.routers):
             return 404, f"no router copy {index}\n".encode(), "text/plain"
+        if not self.metrics:  # a router without metrics of its own: the target is up while the copy answers
+            status, body, _ct = fetch(f"http://127.0.0.1:{self.routers[index][0]}{self.path}", self.timeout,
+                                      self.post)
+            if status != 200 or self.parse(body) is None:
+                return 503, f"router copy {index}: {status or 'unreachable'}: {body[:200]!r}\n".encode(), \
+                    "text/plain"
+            return 200, f"# router copy {index} exports no metrics of its own\n".encode(), \
+                "text/plain; version=0.0.4; charset=utf-8"
         status, body, ctype = fetch(f"http://127.0.0.1:{self.routers[index][1]}/metrics", self.timeout)
         if status != 200:
             return 503, f"router copy {index} metrics: {status or 'unreachable'}: {body[:200]!r}\n".encode(), \
@@ -160,6 +189,9 @@ def parser():
     p.add_argument("--router", type=router_ports, action="append", default=[],
                    help="a router copy's loopback PORT:METRICS_PORT, in the front's order (repeat)")
     p.add_argument("--timeout", type=float, default=1.5, help="per probe, seconds (keep under the scrape timeout)")
+    p.add_argument("--membership", choices=sorted(MEMBERSHIP), default="workers",
+                   help="the router kind's membership API (vllm-router: workers; vllm-ascend-proxy: instances)")
+    p.add_argument("--no-router-metrics", action="store_true", help="the router copies have no metrics port")
     return p
 
 
@@ -167,7 +199,8 @@ def main(argv=None):
     args = parser().parse_args(argv)
     host, _, port = args.listen.rpartition(":")
     server = http.server.ThreadingHTTPServer((host, int(port)),
-                                             handler_for(Exporter(args.front_port, args.router, args.timeout)))
+                                             handler_for(Exporter(args.front_port, args.router, args.timeout,
+                                                                  args.membership, not args.no_router_metrics)))
     server.daemon_threads = True
 
     def stop(*_):

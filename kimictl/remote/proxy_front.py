@@ -9,7 +9,11 @@ mode) takes back drained workers while clients never see a refused connection.
 Clients reach the client paths only (`/v1/*` and `/health`, or what --client-path lists); with --api-key-file
 every request but `GET /health` must carry `Authorization: Bearer <key>` (vllm-router does not check client keys).
 A router's own API (membership: drain, re-add) is reached only as `/kimictl/router/<i>/<path>` with the admin key
-of --admin-key-file: the client key never opens it, and without an admin key file nothing does.
+of --admin-key-file: the client key never opens it, and without an admin key file nothing does. With the same key,
+`POST /kimictl/front/router/<i>/hold?seconds=N` keeps new client requests away from copy i (its clients' next
+requests go to the other copies) for N seconds or until `.../release`: a router that re-adds an engine only while
+idle (vllm-ascend's proxy) gets there without a restart. The router kind's health path (--router-health) is what
+the front checks its copies with and what the proxy port's `GET /health` asks.
 
 Limits against abusive clients: a connection cap (a connection over it waits QUEUE_WAIT seconds for a slot, an idle
 keep-alive connection giving up its own, then gets 503; with MAX_QUEUED waiting, new ones wait in the kernel's
@@ -40,6 +44,8 @@ import urllib.parse
 import urllib.request
 
 ADMIN_RE = re.compile(rb"/kimictl/router/(\d{1,3})(/.*)?")
+HOLD_RE = re.compile(rb"/kimictl/front/router/(\d{1,3})/(hold|release)")
+HOLD_MAX = 3600.0  # seconds a hold lasts at most (a kimictl that died holding a copy cannot keep it out for long)
 TOKEN_RE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 CTL_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but TAB: never in a request head line
 DEFAULT_CLIENT_PATHS = ("/v1/*", "/health")
@@ -241,6 +247,12 @@ class Session:
                 req = await self.read_request()
                 if req is None:
                     break
+                reply = self.front.command(req)
+                if reply is not None:  # the front's own admin command, answered here
+                    await self.send(reply)
+                    if req.closing:
+                        break
+                    continue
                 index, target = self.front.route(req)
                 if req.length > self.args.max_body:
                     raise HttpError(413, "Content Too Large", f"request body over {self.args.max_body} bytes")
@@ -360,7 +372,8 @@ class Session:
         return False  # not reached: the second attempt returns or raises
 
     async def upstream(self, index):
-        if self.up and (self.up.index != index or self.up.reader.at_eof()):
+        held = index is None and self.up is not None and self.up.router.held()
+        if self.up and (self.up.index != index or self.up.reader.at_eof() or held):
             self.close_up()
         if self.up is None:
             self.up = Upstream(index, *await self.front.connect(index))
@@ -457,15 +470,18 @@ class Session:
 
 
 class Router:
-    def __init__(self, index, port, metrics_port, argv):
+    def __init__(self, index, port, metrics_port, argv, metrics_flag="--prometheus-port"):
         self.index, self.port, self.metrics_port = index, port, metrics_port
         # argparse takes the last of a repeated flag: these override whatever the rendered command says.
-        self.argv = [*argv, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port)]
+        self.argv = [*argv, "--host", "127.0.0.1", "--port", str(port)]
+        if metrics_flag:  # a router kind without a metrics port gets none
+            self.argv += [metrics_flag, str(metrics_port)]
         self.proc = None
         self.state = "stopped"
         self.accepting = False
         self.restarts = 0
         self.active = 0
+        self.held_until = 0.0  # monotonic time until which no new client request goes here (hold)
         self.started_at = None
         self.exited = asyncio.Event()
         self.ready = asyncio.Event()
@@ -474,7 +490,11 @@ class Router:
     def doc(self):
         return {"index": self.index, "port": self.port, "metrics_port": self.metrics_port, "state": self.state,
                 "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
-                "restarts": self.restarts, "active": self.active, "started_at": self.started_at}
+                "restarts": self.restarts, "active": self.active, "started_at": self.started_at,
+                "held": self.held()}
+
+    def held(self):
+        return time.monotonic() < self.held_until
 
 
 class Front:
@@ -482,7 +502,9 @@ class Front:
         # Built inside the running loop (see serve): on Python 3.9 an asyncio.Event binds the loop that is current
         # when it is made, and one made before asyncio.run would never wake a task of the loop that run makes.
         self.args = args
-        self.routers = [Router(i, p, m, argv) for i, (p, m) in enumerate(args.router)]
+        metrics_flag = None if args.no_router_metrics else "--prometheus-port"
+        self.routers = [Router(i, p, m, argv, metrics_flag) for i, (p, m) in enumerate(args.router)]
+        self.health = args.router_health.encode()  # the router kind's own health path
         self.rr = 0
         self.stopping = False
         self.requested = 0  # SIGHUPs seen
@@ -522,7 +544,7 @@ class Front:
         except (OSError, asyncio.TimeoutError):
             return False
         try:
-            writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            writer.write(b"GET " + self.health + b" HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
             line = await asyncio.wait_for(reader.readline(), 3)
             return line.split(b" ")[1:2] == [b"200"]
         except (OSError, asyncio.TimeoutError, IndexError):
@@ -649,6 +671,38 @@ class Front:
 
     # --- clients --------------------------------------------------------------------------------------------
 
+    def command(self, req):
+        """The answer to one of the front's own admin commands (hold or release a router copy), or None."""
+        path, _q, query = req.target.partition(b"?")
+        m = HOLD_RE.fullmatch(path)
+        if not m:
+            return None
+        if not self.admin_key.matches(req.bearer()):
+            raise HttpError(403, "Forbidden", "router admin paths need the admin key")
+        if req.method != b"POST" or req.length:
+            raise HttpError(405, "Method Not Allowed", "POST, without a body")
+        index, verb = int(m.group(1)), m.group(2)
+        if index >= len(self.routers):
+            raise HttpError(404, "Not Found", f"no router {index}")
+        r = self.routers[index]
+        if verb == b"hold":
+            try:
+                seconds = float(urllib.parse.parse_qs(query.decode()).get("seconds", ["300"])[-1])
+            except ValueError:
+                raise HttpError(400, "Bad Request", "seconds must be a number") from None
+            others = [o for o in self.routers if o is not r and o.accepting and not o.held()]
+            if len(self.routers) > 1 and not others:
+                raise HttpError(409, "Conflict", f"router {index} not held: no other router is up to take its "
+                                                 "clients")
+            r.held_until = time.monotonic() + max(0.0, min(seconds, HOLD_MAX))
+        else:
+            r.held_until = 0.0
+        log(f"router {index}: {'held' if r.held() else 'released'}")
+        self.save()
+        body = (json.dumps({"router": index, "held": r.held(), "active": r.active}) + "\n").encode()
+        return (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                .encode() + body)
+
     def route(self, req):
         """(router index, target to send) for the admin channel, (None, target) for a client path; HttpError for
         anything else. The path is judged as a router would read it, percent-escapes decoded."""
@@ -667,6 +721,8 @@ class Front:
             raise HttpError(404, "Not Found", "not a client path of this proxy ("
                             + ", ".join(p.decode() + ("*" if prefix else "") for p, prefix in self.client_paths) + ")")
         open_health = req.method in (b"GET", b"HEAD") and plain == b"/health"  # as vLLM's own --api-key leaves it
+        if open_health and self.health != b"/health":
+            return None, self.health  # the proxy port's /health asks the router's own health check
         if self.client_key and not open_health and not self.client_key.matches(req.bearer()):
             raise HttpError(401, "Unauthorized", "missing or wrong API key (Authorization: Bearer ...)")
         return None, req.target
@@ -688,7 +744,7 @@ class Front:
             else:
                 self.rr += 1
                 order = [r for r in self.routers[self.rr % len(self.routers):] + self.routers[:self.rr %
-                         len(self.routers)] if r.accepting]
+                         len(self.routers)] if r.accepting and not r.held()]
             for r in order:
                 try:
                     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", r.port), 5)
@@ -928,6 +984,10 @@ def parser():
                      help="PORT:METRICS_PORT of one router on loopback (repeat)")
     run.add_argument("--state", required=True, help="JSON file this front keeps its state in")
     run.add_argument("--api-key-file", help="clients must send this key (re-read when the file changes)")
+    run.add_argument("--router-health", default="/health",
+                     help="the routers' health path: the front's checks of its copies, and what /health asks")
+    run.add_argument("--no-router-metrics", action="store_true",
+                     help="the router has no metrics port (no --prometheus-port is passed)")
     run.add_argument("--admin-key-file", help="the routers' own API (/kimictl/router/<i>/...) needs this key "
                      "(re-read when the file changes); without it that API is closed")
     run.add_argument("--client-path", type=client_path, action="append",

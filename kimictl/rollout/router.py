@@ -1,5 +1,6 @@
-"""The routers and the engines over HTTP: vllm-router's admin API (membership), the drain wait, and the pair probe
-(one P/D hand-over between two given endpoints, the way vllm-router does it).
+"""The routers and the engines over HTTP: the routers' membership clients (kimictl.router_kinds, one per router
+kind), the drain wait, and the pair probe (one P/D hand-over between two given endpoints, the way the P/D proxies
+do it).
 
 HTTP goes through `http` (default `kimictl.health`); tests pass fakes."""
 
@@ -7,77 +8,16 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.parse
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from kimictl import health
-from kimictl.errors import KimictlError
 from kimictl.rollout.slices import Endpoint
+from kimictl.router_kinds import STATIC_PD_ROUTER_MARK, AscendProxyAdmin, FrontControl, RouterAdmin, RouterError
 
-# vllm-router's answer when its static P/D mode is asked to add a worker at runtime.
-STATIC_PD_ROUTER_MARK = "add_prefill_server or add_decode_server"
-
-
-# --- the routers' admin API ----------------------------------------------------------------------------------
-
-
-class RouterError(KimictlError):
-    """A router refused or failed an admin call."""
-
-
-class RouterAdmin:
-    """Runtime membership of one vllm-router: `GET /workers`, `POST /remove_worker?url=` (static P/D mode and
-    IGW mode), `POST /workers {"url", "worker_type"}` (IGW mode only; static P/D mode answers 400)."""
-
-    def __init__(self, url: str, timeout: float = 10.0, api_key: str | None = None, http: Any = health):
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self.api_key = api_key
-        self.http = http
-        self._runtime_add: bool | None = None
-
-    def _call(self, method: str, path: str, body: Any = None) -> tuple[int, str]:
-        return self.http.http_request(method, f"{self.url}{path}", body, timeout=self.timeout, api_key=self.api_key)
-
-    def members(self) -> dict[str, str]:
-        code, text = self._call("GET", "/workers")
-        if code != 200:
-            raise RouterError(f"router {self.url}: GET /workers -> {code or 'unreachable'}: {text[:200]}")
-        try:
-            doc = json.loads(text)
-            return {str(w["url"]).rstrip("/"): str(w.get("worker_type") or "regular") for w in doc["workers"]}
-        except (ValueError, KeyError, TypeError):
-            raise RouterError(f"router {self.url}: GET /workers is not a worker list: {text[:200]}") from None
-
-    def supports_runtime_add(self) -> bool:
-        """Probe with a member it already has: IGW mode re-adds it (idempotent, 200), static P/D mode refuses."""
-        if self._runtime_add is None:
-            members = self.members()
-            if not members:
-                raise RouterError(f"router {self.url} has no workers; nothing to probe its admin API with")
-            url, role = next(iter(members.items()))
-            code, text = self._call("POST", "/workers", {"url": url, "worker_type": role})
-            self._runtime_add = code == 200 and STATIC_PD_ROUTER_MARK not in text
-        return self._runtime_add
-
-    def remove(self, url: str) -> None:
-        quoted = urllib.parse.quote(url, safe=":/")
-        code, text = self._call("POST", f"/remove_worker?url={quoted}")
-        if code != 200:
-            raise RouterError(f"router {self.url}: cannot remove {url}: HTTP {code or 'unreachable'}: {text[:200]}")
-        if url in self.members():
-            raise RouterError(f"router {self.url} still lists {url} after removing it")
-
-    def add(self, url: str, role: str) -> None:
-        code, text = self._call("POST", "/workers", {"url": url, "worker_type": role})
-        if code != 200 or STATIC_PD_ROUTER_MARK in text:
-            raise RouterError(f"router {self.url}: cannot add {role} {url}: HTTP {code or 'unreachable'}: "
-                              f"{text[:200]}")
-        if url not in self.members():
-            raise RouterError(f"router {self.url} does not list {url} after adding it")
-
+__all__ = ["STATIC_PD_ROUTER_MARK", "AscendProxyAdmin", "FrontControl", "RouterAdmin", "RouterError", "drain_sampler",
+           "pair_probe", "wait_drained"]
 
 # --- drain and probes -------------------------------------------------------------------------------------
 
@@ -129,18 +69,21 @@ def wait_drained(endpoints: list[Endpoint], *, timeout: float, quiet: float, sam
     return {"seconds": round(clock() - t0, 2), "timed_out": []}
 
 
-def _completion(http: Any, url: str, body: dict[str, Any], request_id: str, timeout: float) -> tuple[int, Any]:
-    code, text = http.http_request("POST", url, body, timeout=timeout, headers={"X-Request-Id": request_id})
+def _completion(http: Any, url: str, body: dict[str, Any], request_id: str, timeout: float,
+                api_key: str | None = None) -> tuple[int, Any]:
+    code, text = http.http_request("POST", url, body, timeout=timeout, headers={"X-Request-Id": request_id},
+                                   api_key=api_key)
     try:
         return code, json.loads(text)
     except ValueError:
         return code, text
 
 
-def pair_probe(p: Endpoint, d: Endpoint, served: str, timeout: float = 60.0, http: Any = health) -> dict[str, Any]:
-    """One P/D hand-over between exactly these two endpoints, the way vllm-router does it: the prefill engine
-    prefills with `do_remote_decode` and returns kv_transfer_params, the decode engine pulls the KV with them.
-    Both sides' counters must move."""
+def pair_probe(p: Endpoint, d: Endpoint, served: str, timeout: float = 60.0, http: Any = health,
+               api_key: str | None = None) -> dict[str, Any]:
+    """One P/D hand-over between exactly these two endpoints, the way the P/D proxies do it: the prefill engine
+    prefills with `do_remote_decode` (one token, not streamed) and returns kv_transfer_params, the decode engine
+    pulls the KV with them. Both sides' counters must move. `api_key`: the key the engines require."""
     t0 = time.monotonic()
     before_p = http.metric_totals(p.ip, p.port).get(health.PREFILL_COUNTER, 0.0)
     before_d = http.metric_totals(d.ip, d.port).get(health.DECODE_COUNTER, 0.0)
@@ -149,14 +92,15 @@ def pair_probe(p: Endpoint, d: Endpoint, served: str, timeout: float = 60.0, htt
     code, body = _completion(http, f"{p.url}/v1/completions", {
         "model": served, "prompt": prompt, "max_tokens": 1, "min_tokens": 1, "stream": False,
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-                               "remote_block_ids": None, "remote_host": None, "remote_port": None}}, rid, timeout)
+                               "remote_block_ids": None, "remote_host": None, "remote_port": None}}, rid, timeout,
+        api_key)
     result: dict[str, Any] = {"prefill": p.engine, "decode": d.engine, "ok": False}
     kv = body.get("kv_transfer_params") if isinstance(body, dict) else None
     if code != 200 or not isinstance(kv, dict):
         result["detail"] = f"prefill {p.engine} at {p.url}: HTTP {code}: {health.body_text(body)}"
         return result
     code, body = _completion(http, f"{d.url}/v1/completions", {"model": served, "prompt": prompt, "max_tokens": 4,
-                                                               "kv_transfer_params": kv}, rid, timeout)
+                                                               "kv_transfer_params": kv}, rid, timeout, api_key)
     if code != 200 or not isinstance(body, dict) or not body.get("choices"):
         result["detail"] = f"decode {d.engine} at {d.url} (KV from {p.engine}): HTTP {code}: {health.body_text(body)}"
         return result

@@ -21,9 +21,18 @@ from kimictl.hostops import LIVE_STATES, ROLLBACK_READY_TIMEOUT_S, HostObservati
 from kimictl.inventory import Inventory
 from kimictl.render import Rendered
 from kimictl.rollout.overrides import Setting, apply_sets, effective_topology_yaml, parse_sets
-from kimictl.rollout.router import RouterAdmin, RouterError, drain_sampler, pair_probe, wait_drained
+from kimictl.rollout.router import (
+    AscendProxyAdmin,
+    FrontControl,
+    RouterAdmin,
+    RouterError,
+    drain_sampler,
+    pair_probe,
+    wait_drained,
+)
 from kimictl.rollout.slices import Analysis, Batch, Endpoint, Slice, analyze, choose_order, plan_batches, slices_of
-from kimictl.secret_file import proxy_admin_key
+from kimictl.router_kinds import router_kind
+from kimictl.secret_file import engine_api_key, proxy_admin_key
 from kimictl.topology import Topology
 
 ROLLOUT_SCHEMA_VERSION = 1
@@ -109,7 +118,9 @@ class Rollout:
     def __init__(self, inv: Inventory, record: state.ReleaseRecord, old: Rendered, new: Rendered, topo: Topology,
                  sets: list[Setting], opts: RolloutOptions, say: Callable[[str], None],
                  on_event: Callable[[str, str, str], None] | None = None, *, ops: HostOps | None = None,
-                 http: Any = health, router: Callable[..., RouterAdmin] = RouterAdmin):
+                 http: Any = health, router: Callable[..., RouterAdmin] = RouterAdmin,
+                 instances: Callable[..., AscendProxyAdmin] = AscendProxyAdmin,
+                 front: Callable[..., FrontControl] = FrontControl):
         self.release = state.release_id(new.releases)
         self.inv, self.cluster, self.say = inv, new.plan.cluster, say
         self.served_model_name = new.plan.served_model_name
@@ -118,7 +129,9 @@ class Rollout:
                                   on_event=on_event, accept_new_host_keys=opts.accept_new_host_keys,
                                   ready_timeout=opts.ready_timeout, http=http)
         self.run_dir, self.api_key, self.timings = self.ops.run_dir, self.ops.api_key, self.ops.timings
-        self.http, self.make_router = http, router
+        self.http, self.make_router, self.make_instances, self.make_front = http, router, instances, front
+        self.engine_key = engine_api_key(inv, pd=True)  # what the engines require (None: no key)
+        self.front_ctl: FrontControl | None = None  # the front's hold/release, for a router that re-adds only idle
         metrics = engine_profile(inv.cluster.kimi_engine_profile).metrics
         self.drain_sample = drain_sampler(metrics.busy, metrics.activity, http)
         self.record, self.old, self.new, self.topo, self.sets, self.ro = record, old, new, topo, sets, opts
@@ -175,13 +188,13 @@ class Rollout:
                 drift.append(f"{proc.host}:{proc.id} (runs another release)")
             elif proc.id == "proxy":
                 self.proxy_proc = Proc(proc.host, "proxy", "proxy", str(st["tag"]), list(st["cmd"]), proc.ip,
-                                       proc.port, True, "proxy")
+                                       proc.port, True, "proxy", proc.router)
         if drift:
             raise HostError(f"the cluster does not run its recorded release {self.previous}: "
                             + ", ".join(drift[:6]), step="check",
                             hint="see `kimictl status`; converge with `kimictl deploy` or `kimictl start` first")
         sick = [ep for s in self.slices.values() for ep in s.endpoints
-                if not self.http.engine_ready(ep.ip, ep.port, self.served_model_name).ok]
+                if not self.http.engine_ready(ep.ip, ep.port, self.served_model_name, api_key=self.engine_key).ok]
         if sick:
             ep = sick[0]
             raise HostError("the cluster is not healthy before the rollout: " + ", ".join(x.engine for x in sick)
@@ -211,11 +224,14 @@ class Rollout:
         base = f"http://{rendered.proxy.host}:{rendered.proxy.port}"
         own = [f"{base}/kimictl/router/{i}" for i in range(len(rendered.proxy.routers))] or [base]
         key = proxy_admin_key(self.cluster) if rendered.plan.proxy.admin_key else self.api_key
+        if router_kind(rendered.plan.proxy.router).membership == "instances":
+            self.front_ctl = self.make_front(base, api_key=key, http=self.http)
+            return [self.make_instances(u, api_key=key, http=self.http) for u in own]
         return [self.make_router(u, api_key=key, http=self.http) for u in own]
 
     def _membership(self) -> dict[str, str]:
-        return {r.url: "runtime" if r.supports_runtime_add() else "reload" if i < self.own_routers and self.front
-                else "restart"
+        return {r.url: "instances" if r.membership == "instances" else "runtime" if r.supports_runtime_add()
+                else "reload" if i < self.own_routers and self.front else "restart"
                 for i, r in enumerate(self.routers)}
 
     # --- the run ---------------------------------------------------------------------------------------
@@ -318,7 +334,7 @@ class Rollout:
                 members = r.members()
                 for ep in eps:
                     if ep.url in members:
-                        r.remove(ep.url)
+                        r.remove(ep.url, ep.role)
             for s in slices:
                 self.stage[s.name] = "drained"
             self.say(f"drained {', '.join(s.name for s in slices)} from {len(self.routers)} router(s); waiting for "
@@ -364,7 +380,7 @@ class Rollout:
                 for k in range(min(2, len(partners))):
                     other = partners[(i + k) % len(partners)]
                     p, d = (ep, other) if s.role == "prefill" else (other, ep)
-                    tries.append(pair_probe(p, d, self.served_model_name, http=self.http))
+                    tries.append(pair_probe(p, d, self.served_model_name, http=self.http, api_key=self.engine_key))
                     if tries[-1]["ok"]:
                         break
                 results.append(tries[-1])
@@ -379,8 +395,10 @@ class Rollout:
         """Back into every router: at runtime where the router can add workers, else by restarting the proxy
         kimictl deployed (its rendered membership lists every endpoint)."""
         eps = [ep for s in slices for ep in s.endpoints]
-        for r in self.routers:
-            if r.supports_runtime_add():
+        for i, r in enumerate(self.routers):
+            if r.membership == "instances":
+                self._readd_held(i, r, eps)
+            elif r.supports_runtime_add():
                 for ep in eps:
                     r.add(ep.url, ep.role)
         if self.runtime:
@@ -396,6 +414,22 @@ class Rollout:
             if missing:
                 raise HostError(f"router {r.url} came back without {', '.join(missing)}", host=self.proxy_proc.host,
                                 step="proxy", log_tail=self.ops.log_tail(self.proxy_proc.host, "proxy"))
+
+    def _readd_held(self, index: int, r: AscendProxyAdmin, eps: list[Endpoint]) -> None:
+        """vllm-ascend's proxy re-adds an engine it drained only once it is idle: the front holds copy `index` (its
+        clients' next requests go to the other copies), the copy finishes what it serves, takes the engines back,
+        and is released - no restart, no refused connection."""
+        assert self.front_ctl is not None and self.old.plan.proxy is not None
+        kind = router_kind(self.old.plan.proxy.router)
+        t0 = time.monotonic()
+        self.front_ctl.hold(index, seconds=self.ro.drain_timeout + 120)
+        try:
+            r.readd([(ep.url, ep.role) for ep in eps], timeout=self.ro.drain_timeout,
+                    check_interval=kind.check_interval)
+        finally:
+            self.front_ctl.release(index)
+        self.proxy_restarts.append({"why": f"re-add {', '.join(ep.engine for ep in eps)} to router {index}",
+                                    "seconds": round(time.monotonic() - t0, 2), "kind": "held"})
 
     @property
     def front(self) -> bool:
@@ -419,7 +453,13 @@ class Rollout:
     def _proxy_gate(self, slices: list[Slice], attempts_per_endpoint: int = 8, timeout: float = 120.0,
                     ) -> dict[str, Any]:
         """Requests through the deployed proxy until every endpoint of the batch served its side of a P/D hand-over
-        (counters moved) and the other side's counters moved too; every request must succeed."""
+        (counters moved) and the other side's counters moved too; every request must succeed. They go in waves of
+        as many at once as the role has endpoints, per router copy (the front spreads connections over the copies):
+        a round-robin router spreads any sequence, but one that picks the least loaded engine, first by order of
+        joining (vllm-ascend's proxy), sends one request at a time to the same idle engine, and a re-added engine
+        joined last."""
+        from concurrent.futures import ThreadPoolExecutor
+
         assert self.new.proxy is not None
         url = f"http://{self.new.proxy.host}:{self.new.proxy.port}/v1/completions"
         eps = [ep for s in slices for ep in s.endpoints]
@@ -429,26 +469,33 @@ class Rollout:
         def total(ep: Endpoint) -> float:
             return self.http.metric_totals(ep.ip, ep.port).get(counter[ep.role], 0.0)
 
+        def probe(_: int) -> tuple[int, Any]:
+            # A fresh prefix per request, so cache- or prefix-aware policies spread them like round robin does;
+            # a few tokens, so the requests of a wave overlap.
+            prompt = f"rollout probe {uuid.uuid4().hex}: {health.smoke_prompt(64)}"
+            return self.http.http_post_json(url, {"model": self.served_model_name, "prompt": prompt,
+                                                  "max_tokens": 8}, timeout=60, api_key=self.api_key)
+
         before = {ep.engine: total(ep) for ep in eps}
         other_before = sum(total(ep) for ep in others)
         n_role = sum(len(s.endpoints) for s in self.slices.values() if s.role == eps[0].role)
+        wave = n_role * max(1, len(self.new.proxy.routers))
         sent = 0
         waiting = set(before)
         deadline = time.monotonic() + timeout
-        for _ in range(attempts_per_endpoint * n_role):
-            # A fresh prefix per request, so cache- or prefix-aware policies spread them like round robin does.
-            prompt = f"rollout probe {uuid.uuid4().hex}: {health.smoke_prompt(64)}"
-            code, body = self.http.http_post_json(url, {"model": self.served_model_name, "prompt": prompt,
-                                                        "max_tokens": 2}, timeout=60, api_key=self.api_key)
-            sent += 1
-            if code != 200:
-                raise HostError(f"a request through the proxy failed after re-adding "
-                                f"{', '.join(s.name for s in slices)}: HTTP {code}: {health.body_text(body)}",
-                                host=self.new.proxy.host_name, step="proxy smoke",
-                                log_tail=self.ops.log_tail(self.new.proxy.host_name, "proxy"))
-            waiting = {e for e in waiting if total(next(x for x in eps if x.engine == e)) <= before[e]}
-            if not waiting or time.monotonic() > deadline:
-                break
+        with ThreadPoolExecutor(max_workers=wave) as pool:
+            for _ in range(attempts_per_endpoint):
+                answers = list(pool.map(probe, range(wave)))
+                sent += len(answers)
+                bad = next(((code, body) for code, body in answers if code != 200), None)
+                if bad:
+                    raise HostError(f"a request through the proxy failed after re-adding "
+                                    f"{', '.join(s.name for s in slices)}: HTTP {bad[0]}: {health.body_text(bad[1])}",
+                                    host=self.new.proxy.host_name, step="proxy smoke",
+                                    log_tail=self.ops.log_tail(self.new.proxy.host_name, "proxy"))
+                waiting = {e for e in waiting if total(next(x for x in eps if x.engine == e)) <= before[e]}
+                if not waiting or time.monotonic() > deadline:
+                    break
         moved_other = sum(total(ep) for ep in others) - other_before
         if waiting or moved_other <= 0:
             ep = next(x for x in eps if x.engine in waiting) if waiting else eps[0]

@@ -52,10 +52,20 @@ def router_command() -> str | None:
     return f"{py} -m vllm_router.launch_router" if py else None
 
 
+def proxy_python() -> str | None:
+    """The hosts' system python with this venv's site-packages when it has what vllm-ascend's P/D proxy imports."""
+    from kimictl.router_kinds import router_kind
+
+    modules = router_kind("vllm-ascend-proxy").python_modules
+    pythons = {host_python(m) for m in modules}
+    return pythons.pop() if len(pythons) == 1 and None not in pythons else None
+
+
 def inventory(hosts: list[HostSpec], hardware: str, directory: Path, *, mode: str, cluster: str,
               model_dir: str = MODEL_DIR, engine_command: str = ENGINE_COMMAND, user: str = "root",
-              hub_url: str | None = None, python: str = "/usr/bin/python3") -> dict:
-    """The Ansible YAML inventory as a dict; the checkpoint comes from the sandbox's fake hub when it runs."""
+              hub_url: str | None = None, python: str = "/usr/bin/python3", proxy_script: str | None = None) -> dict:
+    """The Ansible YAML inventory as a dict; the checkpoint comes from the sandbox's fake hub when it runs.
+    proxy_script: where the hosts have vllm-ascend's P/D proxy (None: it could not be had, see `sandbox up`)."""
     hub = {"kimi_model_source": "modelscope", "kimi_model_id": MODEL_ID, "kimi_model_endpoint": hub_url,
            **({"kimi_python": host_python("modelscope")} if host_python("modelscope") else {})}
     all_vars = {
@@ -66,6 +76,8 @@ def inventory(hosts: list[HostSpec], hardware: str, directory: Path, *, mode: st
         "kimi_nic": CONTROL_NIC if mode == "netns" else "lo",
         "kimi_engine_command": engine_command,
         **({"kimi_router_command": router_command()} if router_command() else {}),
+        **({"kimi_proxy_script": proxy_script, "kimi_proxy_python": proxy_python()}
+           if proxy_script and proxy_python() else {}),
         "ansible_user": user,
         "ansible_python_interpreter": python,
         "ansible_ssh_private_key_file": str(directory / "id_ed25519"),

@@ -34,7 +34,7 @@ CLUSTER_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 # the fake hosts mount over these, so the sandbox directory must not live below them
 FORBIDDEN_DIR_PARENTS = ("/var/lib", "/opt", "/usr/local", "/etc", "/run", "/root", "/proc", "/sys", "/dev")
 PRIVATE_DIRS = ("/var/lib", "/opt", "/usr/local", "/etc")
-SINGLE_VALUED = ("driver-mismatch", "small-disk", "slow-link")
+SINGLE_VALUED = ("driver-mismatch", "small-disk", "slow-link", "kv-pressure")
 READY_TIMEOUT = 20.0
 PKG_DIR = Path(__file__).resolve().parent
 
@@ -144,6 +144,8 @@ class Sandbox:
     def __init__(self, directory: Path, log: Log = _quiet):
         self.dir = validate_dir(directory)
         self.log = log
+        self._proxy_src: Path | None = None  # vllm-ascend's P/D proxy for the hosts (set by `up`)
+        self._proxy_rel = ""
 
     # ---- state -------------------------------------------------------------------------------
     @property
@@ -205,6 +207,7 @@ class Sandbox:
 
         system.ensure_packages(self.log)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._proxy_src = self._upstream_proxy()
         if mode in (None, "netns"):
             ok, why = system.namespaces_usable(self.dir / ".probe")
             if not ok and mode == "netns":
@@ -231,6 +234,8 @@ class Sandbox:
                 list(pool.map(lambda h: self._prepare_host(h, state), hosts))
             if mode == "loopback":   # hosts share the filesystem: one engine command for all
                 self._install_engine(self.dir / "bin" / "vllm", warn=True)
+                if self._proxy_src:
+                    _copy_file(self._proxy_src, self.dir / "vllm-ascend" / self._proxy_rel)
             if mode == "netns":
                 _write(self.dir / "etc_hosts", layout.etc_hosts(hosts, Names(slot).controller_ip))
                 self._create_network(state, hosts)
@@ -381,6 +386,9 @@ class Sandbox:
         _write(etc / "hccn.conf", layout.hccn_conf(h.device_ips))
         if netns:
             self._install_engine(roots["/opt"] / "kimi-sim/bin/vllm", warn=h.index == 1)
+            if self._proxy_src:
+                tree = Path(layout.VLLM_ASCEND_TREE).relative_to("/opt")
+                _copy_file(self._proxy_src, roots["/opt"] / tree / self._proxy_rel)
         if state.host_python:   # `python3` (PATH: /usr/local/bin comes first) is the host Python floor's
             (usr_local / "bin" / "python3").symlink_to(state.host_python["path"])
         env = {} if netns else {"KIMI_SIM_DIR": str(sim),
@@ -388,6 +396,29 @@ class Sandbox:
                                         "/sbin:/bin"}
         _write(h.dir / "sshd_config", sshd_config(h, self.dir, env))
         _write(h.dir / "boot.sh", boot_script(h, self.dir, state.mode, state.host_python), 0o755)
+
+    def _upstream_proxy(self) -> Path | None:
+        """vllm-ascend's P/D proxy from the sdist of the default version profile (fetched once, sha256-checked,
+        cached); the hosts get it where a vllm-ascend source tree would put it. None, with a warning, when it cannot
+        be had (then only proxy.router vllm-router can be deployed here)."""
+        from kimictl.facts import version_profile
+        from kimictl.router_kinds import router_kind
+        from kimictl.upstream import UpstreamMismatch, UpstreamUnavailable, release_of, upstream_file
+
+        kind = router_kind("vllm-ascend-proxy")
+        self._proxy_rel = str(kind.script)
+        release = release_of(version_profile(None).image_tag)
+        why = None
+        if client.proxy_python() is None:
+            why = f"this venv lacks {', '.join(kind.python_modules)} (pip install -e '.[test]')"
+        else:
+            try:
+                return upstream_file(release, self._proxy_rel)
+            except (UpstreamUnavailable, UpstreamMismatch) as exc:
+                why = exc.message
+        self.log(f"warning: vllm-ascend {release}'s P/D proxy cannot run here ({why}); the inventory gets no "
+                 "kimi_proxy_script, so only proxy.router vllm-router can be deployed")
+        return None
 
     def _install_engine(self, dst: Path, *, warn: bool) -> None:
         engine = PKG_DIR / "engine_sim.py"
@@ -417,6 +448,10 @@ class Sandbox:
                      *(f"addr add {ip}/16 dev {layout.DEVICE_NIC}" for ip in h.device_ips),
                      f"link set {layout.DEVICE_NIC} up"]
             system.run(["ip", "-n", str(h.netns), "-batch", "-"], input="\n".join(inner) + "\n")
+            # link-down removes one device IP; without this, removing the first (primary) one takes every
+            # other device IP of the subnet with it
+            system.run(["ip", "netns", "exec", str(h.netns), "sh", "-c",
+                        f"echo 1 > /proc/sys/net/ipv4/conf/{layout.DEVICE_NIC}/promote_secondaries"])
 
     def _launch(self, h: HostSpec, hs: HostState, state: SandboxState) -> None:
         """Start the host: sshd becomes PID 1 of fresh namespaces (netns) or runs under a subreaper."""
@@ -445,11 +480,15 @@ class Sandbox:
             # loopback hosts share one filesystem: keep everything inside the sandbox dir
             model_dir = str(self.dir / "shared/models/Kimi-K2.5-W4A8")
             engine = str(self.dir / "bin" / "vllm")
+        script = None
+        if self._proxy_src:
+            script = str(Path(layout.VLLM_ASCEND_TREE if state.mode == "netns" else self.dir / "vllm-ascend")
+                         / self._proxy_rel)
         # Ansible runs its modules on the hosts' python3 too (netns: it is at /usr/local/bin/python3 on every host)
         python = "/usr/local/bin/python3" if state.host_python and state.mode == "netns" else "/usr/bin/python3"
         inv = client.inventory(hosts, state.hardware, self.dir, mode=state.mode, cluster=state.cluster,
                                model_dir=model_dir, engine_command=engine, user=_login_user(),
-                               hub_url=state.hub_url, python=python)
+                               hub_url=state.hub_url, python=python, proxy_script=script)
         _write(self.dir / "inventory.yml", client.inventory_yaml(inv))
 
     def _wait_ready(self, state: SandboxState, hosts: list[HostSpec]) -> None:
@@ -498,7 +537,7 @@ class Sandbox:
         for mp in system.mounts_under(self.dir):
             system.run(["umount", "-l", mp], check=False)
             removed.append(f"mount {mp}")
-        for name in ("hosts", "cp", "bin", "shared", "checkpoint"):
+        for name in ("hosts", "cp", "bin", "shared", "checkpoint", "vllm-ascend"):
             shutil.rmtree(self.dir / name, ignore_errors=True)
         shutil.rmtree(client.control_dir(self.dir), ignore_errors=True)
         for name in ("inventory.yml", "ssh_config", "known_hosts", "id_ed25519", "id_ed25519.pub",
@@ -722,7 +761,7 @@ class Sandbox:
             self._take_port(state, hs, int(f.arg or 0))
         elif f.kind == "engine-crash":
             state.spare_tags[h.name] = self._running_tags(state, h)
-        elif f.kind in ("npu-unhealthy", "engine-crash", "engine-hang"):
+        elif f.kind in ("npu-unhealthy", "engine-crash", "engine-hang", "kv-pressure"):
             pass   # faults.json only: the doubles and the engine simulator read it on every call
 
     def _clear(self, state: SandboxState, target: str) -> None:
@@ -858,6 +897,12 @@ class Sandbox:
                 doc["engine_crash_spare_tags"] = state.spare_tags[h.name]
             _write(h.sim_dir / "faults.json", json.dumps(doc, indent=2) + "\n")
             hccn_tool.write_fast_state(h.sim_dir)
+
+
+def _copy_file(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst)
+    dst.chmod(0o644)
 
 
 def _create_exclusive(path: Path) -> int:

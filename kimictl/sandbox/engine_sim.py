@@ -1022,6 +1022,7 @@ class GenResult:
     finish_reason: str
     kv_params: dict[str, Any] | None = None
     pulled_tokens: int = 0
+    stop_reason: str | None = None  # "recomputed": the RecomputeScheduler dropped it back to the P/D proxy
 
 
 @dataclass
@@ -1071,6 +1072,17 @@ class Simulator:
         self.stop = threading.Event()
         self.started = time.time()
         self.state_dir = Path(env.get("KIMI_SIM_DIR", "/var/lib/kimi-sim"))
+
+    def kv_pressure(self) -> int | None:
+        """faults.json kv_pressure_tokens (sandbox fault kv-pressure): a decode engine runs out of KV cache after
+        this many generated tokens of every request; read on every request."""
+        if self.cfg.kv_role != "kv_consumer":
+            return None
+        try:
+            n = load_faults(self.state_dir).get("kv_pressure_tokens")
+        except SimError:
+            return None
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
     def link_down(self, core: EngineCore) -> list[int]:
         """This engine's NPUs whose device (RoCE) link is down per faults.json, read on every transfer."""
@@ -1133,7 +1145,7 @@ class Simulator:
     # -- generation ------------------------------------------------------------------------------
 
     def generate(self, core: EngineCore, req: GenRequest, emit) -> GenResult:
-        """Run one request: prefill (or KV pull), then decode token by token, calling emit(piece)."""
+        """Run one request: prefill (or KV pull), then decode token by token, calling emit(piece, finish or None)."""
         started = time.monotonic()
         n_blocks = math.ceil(len(req.prompt_ids) / core.block_size)
         blocks = self._admit(core, n_blocks)
@@ -1147,6 +1159,18 @@ class Simulator:
             else:
                 self.stop.wait(len(req.prompt_ids) / self.prefill_tps)
             pieces, reason = plan_output(req.prompt_ids, req.max_tokens, req.min_tokens, req.ignore_eos)
+            stop_reason = None
+            pressure = self.kv_pressure()
+            if pressure is not None and len(pieces) > pressure:
+                if _flag_true(self.cfg.additional.get("recompute_scheduler_enable")):
+                    # vllm_ascend/core/recompute_scheduler.py: a kv_consumer that cannot schedule a request frees its
+                    # KV and ends it with FinishReason.STOP, no new token and stop_reason "recomputed", for the P/D
+                    # proxy to replay; the final output carries no token (emitted after the loop)
+                    pieces, reason, stop_reason = pieces[:pressure], "stop", "recomputed"
+                else:  # vLLM's own scheduler preempts the request and recomputes it here, then goes on
+                    self.metrics.preemptions.inc(labels)
+                    log.info("Request %s preempted after %d tokens (KV cache full); recomputing it locally",
+                             req.request_id, pressure)
             first = last = time.monotonic()
             self.metrics.ttft.observe(labels, last - started)
             for i, piece in enumerate(pieces):
@@ -1155,14 +1179,19 @@ class Simulator:
                     now = time.monotonic()
                     self.metrics.itl.observe(labels, now - last)
                     last = now
-                emit(piece)
+                # as vLLM: the last token's output carries the finish reason (a recomputed request's does not)
+                emit(piece, reason if i == len(pieces) - 1 and stop_reason is None else None)
             if len(pieces) > 1:
                 self.metrics.req_tpot.observe(labels, (last - first) / (len(pieces) - 1))
+            if stop_reason:
+                self.stop.wait(self.tpot)  # the scheduler step that drops it
+                log.warning("[RecomputeScheduler] Recompute triggered for request %s.", req.request_id)
             kv_out = None
             if req.mode == "remote_decode":
                 kv_out = self._hold_kv(core, req, blocks, pieces)
                 keep_blocks = True
-            result = GenResult(pieces=pieces, finish_reason=reason, kv_params=kv_out, pulled_tokens=pulled)
+            result = GenResult(pieces=pieces, finish_reason=reason, kv_params=kv_out, pulled_tokens=pulled,
+                               stop_reason=stop_reason)
         except (BrokenPipeError, ConnectionResetError):
             self.metrics.success.inc((*labels, "abort"))
             raise
@@ -1562,7 +1591,7 @@ class ApiHandler(BaseHTTPRequestHandler):
                 options=body.get("stream_options") or {},
             )
             return
-        result = sim.generate(core, req, lambda piece: None)
+        result = sim.generate(core, req, lambda piece, finish: None)
         text = "".join(result.pieces)
         usage = {
             "prompt_tokens": len(prompt_ids),
@@ -1581,7 +1610,7 @@ class ApiHandler(BaseHTTPRequestHandler):
                 },
                 "logprobs": None,
                 "finish_reason": result.finish_reason,
-                "stop_reason": None,
+                "stop_reason": result.stop_reason,
             }
             obj = "chat.completion"
         else:
@@ -1590,7 +1619,7 @@ class ApiHandler(BaseHTTPRequestHandler):
                 "text": text,
                 "logprobs": None,
                 "finish_reason": result.finish_reason,
-                "stop_reason": None,
+                "stop_reason": result.stop_reason,
                 "prompt_logprobs": None,
             }
             obj = "text_completion"
@@ -1674,21 +1703,24 @@ class ApiHandler(BaseHTTPRequestHandler):
                 event([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                         "finish_reason": None}])
 
-        def chunk(piece: str, finish: str | None) -> None:
+        def chunk(piece: str, finish: str | None, stop_reason: str | None = None) -> None:
             if chat:
                 delta = {"content": piece} if piece else {}
-                event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
+                event([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish,
+                        "stop_reason": stop_reason}])
             else:
-                event([{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish, "stop_reason": None}])
+                event([{"index": 0, "text": piece, "logprobs": None, "finish_reason": finish,
+                        "stop_reason": stop_reason}])
 
-        def emit(piece: str) -> None:
+        def emit(piece: str, finish: str | None) -> None:
             start()
-            chunk(piece, None)
+            chunk(piece, finish)
 
         # Errors before the first token (e.g. a failed KV pull) are still plain HTTP errors, as in vLLM.
         result = self.sim.generate(core, req, emit)
         start()
-        chunk("", result.finish_reason)
+        if result.stop_reason or not result.pieces:  # an output without a token: the recompute ending
+            chunk("", result.finish_reason, result.stop_reason)
         if options.get("include_usage"):
             n = len(result.pieces)
             event([], usage={"prompt_tokens": len(req.prompt_ids), "total_tokens": len(req.prompt_ids) + n,

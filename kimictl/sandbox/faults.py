@@ -27,12 +27,14 @@ KINDS: dict[str, tuple[tuple[str, ...], int]] = {
     "engine-crash": (("role",), 0),
     "engine-hang": (("role",), 0),
     "port-taken": (("port",), 1),
+    "kv-pressure": (("tokens",), 0),
     "clear": ((), 0),
 }
+DEFAULT_KV_PRESSURE_TOKENS = 4
 
 USAGE = ("npu-unhealthy:HOST:NPU, link-down:HOST:NPU, driver-mismatch:HOST[:VERSION], small-disk:HOST[:SIZE], "
          "host-down:HOST, slow-link:HOST:RATE, cut-route:HOST:HOST, engine-crash:HOST[:ROLE], "
-         "engine-hang:HOST[:ROLE], port-taken:HOST:PORT, clear:HOST|all")
+         "engine-hang:HOST[:ROLE], port-taken:HOST:PORT, kv-pressure:HOST[:TOKENS], clear:HOST|all")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,11 @@ def parse_fault(spec: str, hosts: list[str] | None = None, npus: int | None = No
     elif kind == "port-taken":
         if not raw or not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 65535:
             raise _bad(spec, raw or "", "PORT must be an integer in 1..65535")
+        arg = int(raw)
+    elif kind == "kv-pressure":
+        raw = raw or str(DEFAULT_KV_PRESSURE_TOKENS)
+        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 1_000_000:
+            raise _bad(spec, raw, "TOKENS must be an integer in 1..1000000 (generated tokens before the recompute)")
         arg = int(raw)
     elif kind == "slow-link":
         if not raw or not _RATE.fullmatch(raw):
@@ -140,4 +147,6 @@ def apply_to_doc(doc: dict, fault: Fault, *, peer_subnet: str | None = None) -> 
         out["slow_link"] = fault.arg
     elif fault.kind == "host-down":
         out["host_down"] = True
+    elif fault.kind == "kv-pressure":
+        out["kv_pressure_tokens"] = fault.arg
     return out

@@ -14,6 +14,7 @@ SIM_DIR = "/var/lib/kimi-sim"
 MODEL_DIR = "/var/lib/kimi/models/Kimi-K2.5-W4A8"
 MODELS_PARENT = "/var/lib/kimi/models"
 ENGINE_COMMAND = "/opt/kimi-sim/bin/vllm"
+VLLM_ASCEND_TREE = "/opt/vllm-ascend"   # where hosts have vllm-ascend's source tree (its P/D proxy script)
 NPU_SMI_PATH = "/usr/local/bin/npu-smi"
 NPU_EXPORTER_PORT = 8082    # Ascend NPU-Exporter's default -port (Ascend/ascend-npu-exporter cmd/npu-exporter/main.go)
 ASCEND_ROOT = "/usr/local/Ascend"

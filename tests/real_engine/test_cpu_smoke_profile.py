@@ -19,6 +19,7 @@ from kimictl.topology import load_topology
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGIES = Path(__file__).parent / "topologies"
 LANE = "/var/tmp/kimictl-vllm-venv/bin/python"
+PROXY_SCRIPT = "/opt/vllm-ascend/examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py"
 INV = """\
 all:
   vars:
@@ -29,6 +30,7 @@ all:
     kimi_engine_profile: {profile}
     kimi_engine_command: {command}
     kimi_nic: eth0
+    kimi_proxy_script: {proxy_script}
   hosts:
     atlas-01: {{ansible_host: 10.200.0.11, kimi_hardware: atlas-800-a3}}
     atlas-02: {{ansible_host: 10.200.0.12, kimi_hardware: atlas-800-a3}}
@@ -37,7 +39,7 @@ all:
 
 def _inv(tmp_path: Path, *, hosts: int = 2, cluster: str = "lane", runtime: str = "host",
          profile: str = "cpu-smoke", command: str = LANE, connector: str | None = None) -> Path:
-    text = INV.format(cluster=cluster, runtime=runtime, profile=profile, command=command)
+    text = INV.format(cluster=cluster, runtime=runtime, profile=profile, command=command, proxy_script=PROXY_SCRIPT)
     if connector:
         text = text.replace("kimi_nic: eth0", f"kimi_nic: eth0\n    kimi_kv_connector: {connector}")
     if hosts == 1:
@@ -113,7 +115,10 @@ def test_pd_moves_kv_with_nixl_over_the_hosts_nic_by_default(tmp_path: Path) -> 
         ("atlas-01", 36000, 36000), ("atlas-02", 36100, 36100)]
     assert not [u for u in plan.ports if "kv_port range" in u.what]
     assert r.proxy is not None and [x["port"] for x in r.proxy.prefill + r.proxy.decode] == [7100, 7100]
-    assert "--kv-connector" not in r.proxy.argv and r.proxy.argv[r.proxy.argv.index("--prefill") + 2] == "--decode"
+    # the default router kind, vllm-ascend's own proxy: NIXL's kv_transfer_params hand-over is its own
+    assert plan.proxy.router == "vllm-ascend-proxy" and r.proxy.argv[1] == PROXY_SCRIPT
+    assert r.proxy.argv[2:10] == ["--prefiller-hosts", "10.200.0.11", "--prefiller-ports", "7100",
+                                  "--decoder-hosts", "10.200.0.12", "--decoder-ports", "7100"]
     assert engine_shims(plan) == {}
     assert "--watch" not in r.files["atlas-01"]["proxy/proxy.sh"]  # NIXL's engine id travels with each request
     assert not [f for files in r.files.values() for f in files if "kimictl-kv" in files[f]]
@@ -136,6 +141,8 @@ def test_pd_with_mooncake_loads_the_cpu_shim_and_tells_the_router_the_bootstrap_
     assert by_role["prefill"].env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "36000"
     assert "VLLM_MOONCAKE_BOOTSTRAP_PORT" not in by_role["decode"].env
     assert [(u.host, u.first) for u in plan.ports if "Mooncake bootstrap" in u.what] == [("atlas-01", 36000)]
+    # vllm-ascend's proxy (the profile's default) does not speak it: the plan takes vllm-router and says why
+    assert plan.proxy.router == "vllm-router" and "kimi_kv_connector mooncake" in plan.proxy.router_why
     argv = r.proxy.argv
     assert argv[argv.index("--kv-connector") + 1] == "mooncake"
     assert argv[argv.index("--prefill") + 1:argv.index("--prefill") + 3] == ["http://10.200.0.11:7100", "36000"]
@@ -144,6 +151,18 @@ def test_pd_with_mooncake_loads_the_cpu_shim_and_tells_the_router_the_bootstrap_
     shims = engine_shims(plan)
     assert list(shims) == ["kimictl_mooncake_cpu.py"] and Path(shims["kimictl_mooncake_cpu.py"]).is_file()
     assert "kimictl.remote" not in shims["kimictl_mooncake_cpu.py"].replace("/", ".")
+
+
+def test_mooncake_behind_a_router_that_cannot_speak_it_is_refused(tmp_path: Path) -> None:
+    topo = tmp_path / "pd-ascend-proxy.yml"
+    topo.write_text((TOPOLOGIES / "cpu-smoke-pd.yml").read_text().replace(
+        "proxy: {port: 8000}", "proxy: {port: 8000, router: vllm-ascend-proxy}"))
+    with pytest.raises(PlanError) as exc:
+        _render(_inv(tmp_path, connector="mooncake"), str(topo))
+    assert "kimi_kv_connector mooncake" in exc.value.message and "vllm-ascend-proxy" in exc.value.message
+    assert exc.value.code == 2 and "vllm-router" in (exc.value.hint or "")
+    plan, _ = _render(_inv(tmp_path, connector="nixl"), str(topo))  # NIXL is fine behind it
+    assert plan.proxy.router == "vllm-ascend-proxy"
 
 
 def test_a_connector_the_profile_lacks_is_refused_naming_the_key(tmp_path: Path) -> None:
@@ -161,7 +180,8 @@ def test_a_connector_the_profile_lacks_is_refused_naming_the_key(tmp_path: Path)
 
 def test_a_production_preset_loses_only_its_ascend_parts(tmp_path: Path) -> None:
     inv = ROOT / "inventories" / "a3-pd.yml"
-    text = inv.read_text().replace("kimi_runtime: container", "kimi_runtime: host\n    kimi_engine_profile: cpu-smoke")
+    text = inv.read_text().replace("kimi_runtime: container", "kimi_runtime: host\n    kimi_engine_profile: cpu-smoke\n"
+                                   f"    kimi_proxy_script: {PROXY_SCRIPT}")
     path = tmp_path / "a3-pd-cpu.yml"
     path.write_text(text)
     # The preset's shape with TP4 prefill: the tiny model has 4 attention heads (TP8 is refused, as vLLM would).

@@ -1,15 +1,13 @@
 """P/D on two sandbox hosts with real vLLM engines (CPU build, tiny Kimi-shaped checkpoint) moving the prompt's KV
 over the network: NIXL (UCX over TCP, the cpu-smoke default) and Mooncake (TCP transport, kimictl's CPU shim), each
-deployed by `kimictl deploy` behind the proxy (vllm-router) and judged by what really moved: decode counts every
-prompt token as external_kv_transfer and computes none, the KV crosses the hosts' NIC between their addresses. Each
-class deploys once and kills its prefill engine at the end (peer restart); the sandbox is shared by every lane test.
+deployed by `kimictl deploy` behind the proxy (vllm-ascend's proxy for NIXL, vllm-router for Mooncake) and judged
+by what really moved: decode counts every prompt token as external_kv_transfer and computes none, the KV crosses the
+hosts' NIC between their addresses. Each class deploys once and kills its prefill engine at the end (peer restart);
+the sandbox is shared by every lane test.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import socket
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +16,6 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import (
-    ROOT,
     TINY_ID,
     TOPOLOGIES,
     engine_cmdline,
@@ -150,7 +147,8 @@ def mooncake(lane_sandbox, tiny_model, lane_python, tmp_path_factory) -> Iterato
 
 
 class TestNixl:
-    """The default connector, through the default proxy kind (vllm-router in P/D mode)."""
+    """The default connector, through the default proxy kind: vllm-ascend's own P/D proxy, run from its pinned
+    sdist (it hands prefill's kv_transfer_params to decode: NIXL's flow)."""
 
     @pytest.fixture
     def pd(self, nixl: Pd) -> Pd:
@@ -158,39 +156,12 @@ class TestNixl:
 
     def test_prefill_to_decode_over_nixl(self, pd: Pd, lane_python: str) -> None:
         _moves_kv_over_the_network(pd, lane_python)
+        proxy_sh = pd.sb.ssh("atlas-01", "cat /var/lib/kimi/current/proxy/proxy.sh").stdout
+        assert "load_balance_proxy_server_example.py" in proxy_sh and "vllm_router" not in proxy_sh, proxy_sh
         assert pd.deploy["seconds"].get("weights") is not None  # deploy staged the checkpoint from the hub
         # the side channel listens where the plan reserved it (preflight checked it free): the host's IP, kv_port
         listening = pd.sb.ssh("atlas-01", "ss -tlnH").stdout
         assert f"{pd.p_ip}:36000 " in listening, listening
-
-    def test_vllm_ascends_proxy_speaks_the_same_flow(self, pd: Pd, lane_python: str, tmp_path: Path) -> None:
-        """vllm-ascend's own P/D proxy (run from its sdist, pinned by sha256) in front of the same real engines:
-        its kv_transfer_params hand-over is NIXL's, so decode gets the whole prompt over the network."""
-        spec = importlib.util.spec_from_file_location("upstream_sdist", ROOT / "tests/unit/upstream_sdist.py")
-        assert spec and spec.loader
-        upstream = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(upstream)
-        pin = upstream.PINS["proxy"]
-        script = upstream.sdist(pin["release"]) / pin["path"]
-        port = _free_port()
-        log = (tmp_path / "proxy.log").open("w")
-        proc = subprocess.Popen(  # the lane's python has fastapi, httpx and uvicorn (vLLM's own dependencies)
-            [lane_python, str(script), "--host", "127.0.0.1", "--port", str(port), "--prefiller-hosts", pd.p_ip,
-             "--prefiller-ports", str(HTTP), "--decoder-hosts", pd.d_ip, "--decoder-ports", str(HTTP)],
-            stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-        try:
-            deadline = time.monotonic() + 120
-            while health.http_get(f"http://127.0.0.1:{port}/healthcheck")[0] != 200:
-                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "proxy.log").read_text()
-                time.sleep(0.5)
-            probe = pd.probe(f"http://127.0.0.1:{port}/v1/completions")
-            print(f"vllm-ascend proxy {pin['release']}: {probe.detail}")
-            assert probe.ok, probe.detail + (tmp_path / "proxy.log").read_text()[-3000:]
-            assert probe.external_kv_transfer == probe.prompt_tokens and probe.local_compute == 0
-        finally:
-            proc.terminate()
-            proc.wait(30)
-            log.close()
 
     def test_peer_restart(self, pd: Pd) -> None:
         # vLLM names the restarted prefill afresh; it hands its new engine id over in kv_transfer_params and decode
@@ -199,7 +170,8 @@ class TestNixl:
 
 
 class TestMooncake:
-    """kimi_kv_connector: mooncake, through vllm-router with --kv-connector mooncake and prefill's bootstrap port."""
+    """kimi_kv_connector: mooncake, through vllm-router (the plan's pick: vllm-ascend's proxy does not speak it) with
+    --kv-connector mooncake and prefill's bootstrap port."""
 
     @pytest.fixture
     def pd(self, mooncake: Pd) -> Pd:
@@ -207,6 +179,8 @@ class TestMooncake:
 
     def test_prefill_to_decode_over_mooncake(self, pd: Pd, lane_python: str) -> None:
         _moves_kv_over_the_network(pd, lane_python)
+        proxy_sh = pd.sb.ssh("atlas-01", "cat /var/lib/kimi/current/proxy/proxy.sh").stdout
+        assert "vllm_router" in proxy_sh and "--kv-connector mooncake" in proxy_sh, proxy_sh
         for host in ("atlas-01", "atlas-02"):  # the CPU shim came with the release tools
             assert pd.sb.ssh(host, "test -s /var/lib/kimi/bin/kimictl_mooncake_cpu.py").returncode == 0, host
         assert "Mooncake Transfer Engine is using tcp" in pd.sb.ssh(
@@ -226,9 +200,3 @@ class TestMooncake:
         assert new["watch"]["changed_at"] and new["reload"]["state"] == "done"
         for r_old, r_new in zip(old["routers"], new["routers"], strict=True):
             assert r_new["restarts"] == r_old["restarts"] + 1 and r_new["started_at"] > new["watch"]["changed_at"] - 1
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -80,7 +80,8 @@ def test_the_check_rejects_what_vllm_rejects(vllm_parse) -> None:
 def test_cpu_smoke_lane_argv_parses(vllm_parse, tmp_path: Path) -> None:
     """The lane's own renders (cpu-smoke profile, lane topologies) parse too (they hold nothing Ascend-only)."""
     lane = {"kimi_cluster": "lane", "kimi_model_dir": "/models/m", "kimi_model_source": "local", "kimi_runtime": "host",
-            "kimi_engine_profile": "cpu-smoke", "kimi_engine_command": LANE_PYTHON, "kimi_nic": "eth0"}
+            "kimi_engine_profile": "cpu-smoke", "kimi_engine_command": LANE_PYTHON, "kimi_nic": "eth0",
+            "kimi_proxy_script": "/opt/vllm-ascend/examples/disaggregated_prefill_v1/proxy.py"}
     hosts = {f"atlas-0{i}": {"ansible_host": f"10.200.0.1{i}", "kimi_hardware": "atlas-800-a3"} for i in (1, 2)}
     argvs: dict[str, list[str]] = {}
     for connector, name in (("nixl", "cpu-smoke-pd"), ("nixl", "cpu-smoke-colocated"), ("mooncake", "cpu-smoke-pd")):

@@ -99,6 +99,7 @@ def test_crashing_release_rolls_back_and_old_release_keeps_answering(deployed, t
     assert proc.returncode == 1
     assert "host atlas-02" in proc.stderr and "decode-0-dp" in proc.stderr
     assert "--- log tail ---" in proc.stderr and "engine_crash_at_start" in proc.stderr
+    assert "hint: the log tail's last ERROR line says why: docs/operators.md#t-engine-start" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert {n: s["tag"] for n, s in _supervised(deployed, "atlas-02").items()} == tags
     assert _complete(deployed, "still serving after the failed deploy")["choices"]
@@ -180,3 +181,81 @@ def test_bench_through_the_proxy_and_its_gate(deployed) -> None:
     assert 0 < doc["tpot_ms"]["p50"] <= 50 and doc["ttft_ms"]["p90"] > 0 and doc["output_tokens_per_s"] > 0
     proc = kimictl(*args, "--slo-tpot-ms", "1")
     assert proc.returncode == 1 and "TPOT p90" in json.loads(proc.stdout)["slo"]["misses"][0]
+
+
+# --- the P/D proxy: vllm-ascend's own, in front of the engines ------------------------------------------------------
+
+
+def _ask(sb, path: str, body: dict, timeout: float = 120) -> tuple[dict | None, list[dict]]:
+    """(the JSON answer, or None when streamed; the choices of every streamed chunk)."""
+    ip = sb.host("atlas-01")["ip"]
+    req = urllib.request.Request(f"http://{ip}:8000{path}", method="POST", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        raw = r.read().decode()
+    if not body.get("stream"):
+        return json.loads(raw), []
+    events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", raw[-300:]
+    return None, [c for e in events[:-1] for c in json.loads(e)["choices"]]
+
+
+def test_the_default_proxy_is_vllm_ascends_own_and_serves_every_kind_of_request(deployed) -> None:
+    ps = deployed.ssh("atlas-01", "ps -eo args | grep load_balance_proxy_server_example | grep -v grep").stdout
+    copies = [line for line in ps.splitlines() if "proxy_front.py" not in line]  # the front's argv names it too
+    script = "/opt/vllm-ascend/examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py"
+    assert len(copies) == 2 and all(script in c and "--host 127.0.0.1" in c for c in copies), ps
+    assert all("--prefiller-ports 7100 7101" in c and "--decoder-ports 7100 7101 7102 7103" in c for c in copies)
+    msgs = [{"role": "user", "content": "hello from the proxy test"}]
+    doc, _ = _ask(deployed, "/v1/completions", {"model": "kimi-k2.5", "prompt": "x y z", "max_tokens": 5,
+                                                "ignore_eos": True})
+    assert doc["usage"]["completion_tokens"] == 5
+    _, chunks = _ask(deployed, "/v1/completions", {"model": "kimi-k2.5", "prompt": "x y z", "max_tokens": 5,
+                                                   "ignore_eos": True, "stream": True})
+    assert sum(1 for c in chunks if c.get("text")) == 5
+    doc, _ = _ask(deployed, "/v1/chat/completions", {"model": "kimi-k2.5", "messages": msgs, "max_tokens": 6,
+                                                     "ignore_eos": True})
+    assert doc["usage"]["completion_tokens"] == 6
+    _, chunks = _ask(deployed, "/v1/chat/completions", {"model": "kimi-k2.5", "messages": msgs, "max_tokens": 6,
+                                                        "ignore_eos": True, "stream": True})
+    assert sum(1 for c in chunks if c.get("delta", {}).get("content")) == 6
+    with urllib.request.urlopen(f"http://{deployed.host('atlas-01')['ip']}:8000/health", timeout=10) as r:
+        assert json.loads(r.read()) | {"request_num": 0} == {"status": "ok", "prefill_instances": 2,
+                                                              "decode_instances": 4, "request_num": 0}
+
+
+def test_kv_pressure_on_the_decode_host_is_replayed_by_the_proxy(deployed) -> None:
+    """Every decode engine ends every request after 4 tokens as "recomputed" (vllm-ascend's RecomputeScheduler);
+    the proxy prefills again with the text so far and decodes on, until the request is whole."""
+    deployed.fault("kv-pressure:atlas-02")
+    try:
+        body = {"model": "kimi-k2.5", "max_tokens": 64, "ignore_eos": True, "stream": True}
+        counts = []
+        for i in range(20):
+            _, chunks = _ask(deployed, "/v1/completions", {**body, "prompt": f"request {i} under KV pressure"})
+            counts.append(sum(1 for c in chunks if c.get("text")))
+            assert chunks[-1]["finish_reason"] == "length"
+            assert not any(c.get("stop_reason") == "recomputed" for c in chunks)  # replays stay inside the proxy
+        assert counts == [64] * 20
+        # Not streamed, upstream's arithmetic adds one token per replay (docs/operate.md): 20 replays -> 84.
+        doc, _ = _ask(deployed, "/v1/completions", {**body, "stream": False, "prompt": "one more"})
+        assert len(doc["choices"][0]["text"].split()) == 84 and doc["choices"][0]["finish_reason"] == "length"
+    finally:
+        deployed.fault("clear:atlas-02")
+    _, chunks = _ask(deployed, "/v1/completions", {**body, "prompt": "pressure cleared"})
+    assert sum(1 for c in chunks if c.get("text")) == 64
+
+
+def test_vllm_router_with_the_recompute_scheduler_is_refused_at_plan_time(deployed, tmp_path: Path) -> None:
+    text = (ROOT / "kimictl/data/topologies/a3-pd.yml").read_text()
+    topo = tmp_path / "a3-pd-vllm-router.yml"
+    topo.write_text(text.replace("proxy: {port: 8000}", "proxy: {port: 8000, router: vllm-router}"))
+    proc = kimictl("plan", "-i", str(deployed.inventory), "--topology", str(topo), "--output", "json")
+    assert proc.returncode == 2, proc.stdout
+    err = json.loads(proc.stdout)["error"]
+    assert "recompute_scheduler" in err["message"] and "proxy.router: vllm-ascend-proxy" in err["hint"]
+    off = tmp_path / "a3-pd-vllm-router-no-recompute.yml"  # the other way out: recompute off
+    off.write_text(topo.read_text().replace("recompute_scheduler: true", "recompute_scheduler: false"))
+    ok = kimictl("plan", "-i", str(deployed.inventory), "--topology", str(off), "--output", "json")
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads(ok.stdout)["proxy"]["router"] == "vllm-router"

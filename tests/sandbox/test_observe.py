@@ -90,11 +90,14 @@ def test_observe_up_scrapes_every_rendered_target(monitored):
 def test_a_drain_left_behind_and_a_link_down_fire(monitored):
     sb = monitored
     proxy = f"http://{sb.host('atlas-01')['ip']}:8000"
-    decode = f"http://{sb.host('atlas-02')['ip']}:7101"
-    req = urllib.request.Request(f"{proxy}/kimictl/router/0/remove_worker?url={decode}", method="POST",
-                                 headers={"Authorization": f"Bearer {proxy_admin_key(sb.state['cluster'])}"})
+    decode = f"{sb.host('atlas-02')['ip']}:7101"
+    # drain decode-0-dp1 from router copy 0 (vllm-ascend's proxy, idle: removed at once), with kimictl's admin key
+    req = urllib.request.Request(f"{proxy}/kimictl/router/0/instances/remove", method="POST",
+                                 data=json.dumps({"type": "decode", "instances": [decode]}).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {proxy_admin_key(sb.state['cluster'])}"})
     with urllib.request.urlopen(req, timeout=10) as r:
-        assert r.status == 200
+        assert r.status == 200 and decode not in json.loads(r.read())["current_decode_instances"]
     sb.fault("link-down:atlas-01:3")
     member = wait_firing(sb, "KimiProxyMembership")
     assert [(a["router"], a["worker_type"], a["host"]) for a in member] == [("0", "decode", "atlas-01")]

@@ -236,6 +236,7 @@ def test_start_failure_names_host_step_and_log_tail(deployed) -> None:
         assert "host atlas-02" in proc.stderr and "--- log tail ---" in proc.stderr
         assert "engine_crash_at_start" in proc.stderr and "Traceback" not in proc.stderr
         assert json.loads(proc.stdout)["error"]["type"] == "HostError"
+        assert json.loads(proc.stdout)["error"]["hint"].endswith("docs/operators.md#t-engine-start")
     finally:
         sb.fault("clear:all")
     assert ops("stop", "-i", str(sb.inventory), "--limit", "atlas-02", "--yes").returncode == 0
@@ -298,7 +299,7 @@ def test_new_host_keys_are_learnt_for_probes_and_playbooks(deployed, fresh_known
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert set(kh_pf.read_text().splitlines()) == _host_key_lines(sb)
     inv, kh = fresh_known_hosts("kh-start")
-    proc = ops("start", "-i", str(inv), "--accept-new-host-keys", "--output", "json")
+    proc = ops("start", "-i", str(inv), "--yes", "--accept-new-host-keys", "--output", "json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["result"] == "started"
     assert set(kh.read_text().splitlines()) == _host_key_lines(sb)

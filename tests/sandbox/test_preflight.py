@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from conftest import kimictl
 
 pytestmark = pytest.mark.sandbox
+GUIDE = (Path(__file__).resolve().parents[2] / "docs" / "operators.md").read_text()
 
 
 def _preflight(sb, topology: str):
@@ -55,3 +57,8 @@ def test_fault_fails_its_check(a3, spec: str, expected: set, text: str) -> None:
     assert rc == 1
     assert {(h, i) for h, i, _ in failed} == expected
     assert any(text in m for *_, m in failed), failed
+    # each failed check's fix points at its row of the operator's guide, which names the check
+    for r in (r for r in doc["results"] if r["status"] == "fail"):
+        anchor = f"t-{r['id'].lower()}"
+        assert r["fix"].endswith(f"see docs/operators.md#{anchor}"), r
+        assert f'<a id="{anchor}"></a>{r["id"]}' in GUIDE, r["id"]

@@ -2,18 +2,19 @@
 slice changes one at a time with zero client errors, and a canary that fails its gate is rolled back
 automatically, leaving the cluster healthy on the old release.
 
-The proxy kimictl deploys is its front with two vllm-router 0.1.17 copies in static P/D mode behind it: a copy
-drops workers at runtime (`/remove_worker`) but cannot add them back (`POST /workers` -> 400 "PD router requires
-specific add_prefill_server or add_decode_server methods"), so re-adding a slice restarts the copies one at a time
-while the other serves. Loads run through that proxy (fresh and keep-alive connections) and through a vllm-router
-started here in IGW mode (`--enable-igw`, runtime membership) passed with `--router`; none may see an error."""
+The proxy kimictl deploys is its front with two copies of vllm-ascend's own P/D proxy (the default router kind)
+behind it. A drain is `POST /instances/remove` on every copy; a copy with requests in flight only taints the engine
+and takes it back only once idle, so the re-add holds one copy at a time in the front (its clients' next requests go
+to the other copy), re-adds, and releases it: no restart, no refused connection. Loads run through the proxy on fresh
+and keep-alive connections; none may see an error. With the API key set, the engines require a key of their own
+(kimictl's, never the clients') and listen on their host's business IP only.
+"""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -35,12 +36,6 @@ SD = "/var/lib/kimi"
 def kimictl(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kimictl", *args], capture_output=True, text=True,
                           timeout=timeout, check=False)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 API_KEY = "sk-rollout-test-4b1d"
@@ -145,7 +140,7 @@ class Load:
 
 @pytest.fixture(scope="module")
 def cluster(sandbox_a3_4, tmp_path_factory):
-    """a3-pd deployed on the 4-host sandbox (2P2D), plus an IGW-mode vllm-router with every engine registered."""
+    """a3-pd deployed on the 4-host sandbox (2P2D) with kimi_api_key_file set."""
     sb = sandbox_a3_4
     inv = str(sb.inventory)
     key_file = tmp_path_factory.mktemp("secrets") / "proxy-api-key"
@@ -156,48 +151,14 @@ def cluster(sandbox_a3_4, tmp_path_factory):
     sb.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
     dep = kimictl("deploy", "-i", inv, "--topology", "a3-pd", "--yes", "--output", "json")
     assert dep.returncode == 0, dep.stderr[-3000:]
+    assert json.loads(dep.stdout)["smoke"]["prefill_prompt_tokens"] > 0  # the smoke test passed with the key
     rendered = json.loads(kimictl("render", "-i", inv, "--topology", "a3-pd", "--output", "json").stdout)
+    assert rendered["proxy"]["router"] == "vllm-ascend-proxy"
     engines = [e for e in rendered["engines"] if e["serves_http"]]
     assert sorted({e["instance"] for e in engines}) == ["decode-0", "decode-1", "prefill-0", "prefill-1"]
-
-    port = _free_port()
-    log = tmp_path_factory.mktemp("igw-router") / "router.log"
-    url = f"http://127.0.0.1:{port}"
-    first = {r: next(e for e in engines if e["role"] == r) for r in ("prefill", "decode")}
-    with log.open("w") as out:
-        router = subprocess.Popen(
-            [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-             "--prometheus-port", str(_free_port()), "--policy", "round_robin", "--vllm-pd-disaggregation",
-             "--enable-igw", "--prefill", f"http://{first['prefill']['ip']}:{first['prefill']['port']}",
-             "--decode", f"http://{first['decode']['ip']}:{first['decode']['port']}"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert router.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.2)
-        for e in engines:  # IGW mode ignores --prefill/--decode: every worker is registered at runtime
-            code, text = _post(f"{url}/workers", {"url": f"http://{e['ip']}:{e['port']}", "worker_type": e["role"]})
-            assert code == 200, text
-        workers = json.loads(urllib.request.urlopen(f"{url}/workers", timeout=5).read())["workers"]
-        assert len(workers) == len(engines) == 12
-        sb.cluster = yaml.safe_load(sb.inventory.read_text())["all"]["vars"]["kimi_cluster"]
-        sb.router = url
-        sb.engines = engines
-        yield sb
-    finally:
-        router.terminate()
-        try:
-            router.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            router.kill()
-            router.wait(timeout=10)
+    sb.cluster = yaml.safe_load(sb.inventory.read_text())["all"]["vars"]["kimi_cluster"]
+    sb.engines = engines
+    return sb
 
 
 def _state_dir(sb) -> Path:
@@ -217,53 +178,58 @@ def _status(sb) -> tuple[int, dict]:
     return st.returncode, json.loads(st.stdout)
 
 
+def _front_routers(sb) -> list[dict]:
+    """The router copies behind the front (pids, restarts, held), from the front's own state file."""
+    return json.loads(sb.ssh("atlas-01", f"cat {SD}/run/proxy-front/state.json").stdout)["routers"]
+
+
 def test_rollout_of_a_serve_flag_changes_every_slice_with_zero_client_errors(cluster) -> None:
     sb = cluster
     inv = str(sb.inventory)
-    args = ["rollout", "-i", inv, "--set", "serve.seed=2048", "--router", sb.router, "--yes", "--output", "json"]
+    args = ["rollout", "-i", inv, "--set", "serve.seed=7", "--yes", "--output", "json"]
     check = kimictl(*args, "--check")
     assert check.returncode == 0, check.stderr[-3000:]
     plan = json.loads(check.stdout)
     assert plan["result"] == "check" and plan["first_role"] == "decode"
     assert plan["batches"] == [["decode-0"], ["decode-1"], ["prefill-0"], ["prefill-1"]]
     proxy = f"http://{sb.host('atlas-01')['ip']}:8000"
-    assert plan["membership"] == {f"{proxy}/kimictl/router/0": "reload", f"{proxy}/kimictl/router/1": "reload",
-                                  sb.router: "runtime"}
-    # Without the key the proxy answers 401 (vllm-router itself does not check client keys).
+    assert plan["membership"] == {f"{proxy}/kimictl/router/0": "instances", f"{proxy}/kimictl/router/1": "instances"}
+    # Without the key the proxy answers 401 (the upstream proxy itself does not check client keys).
     with pytest.raises(urllib.error.HTTPError) as denied:
         _post(f"{proxy}/v1/completions", {"model": "kimi-k2.5", "prompt": "x", "max_tokens": 1})
     assert denied.value.code == 401
 
-    before = _supervised(sb)
-    through_router = Load(f"{sb.router}/v1/completions", threads=1).start()
-    through_proxy = Load(f"{proxy}/v1/completions", threads=1, api_key=API_KEY).start()
+    before, copies_before = _supervised(sb), _front_routers(sb)
+    through_proxy = Load(f"{proxy}/v1/completions", threads=2, api_key=API_KEY).start()
     keepalive = Load(f"{proxy}/v1/completions", threads=1, api_key=API_KEY, keepalive=True).start()
     time.sleep(3)
     t0 = time.time()
     proc = kimictl(*args)
     t1 = time.time()
     time.sleep(3)
-    for load in (through_router, through_proxy, keepalive):
+    for load in (through_proxy, keepalive):
         load.stop()
     assert proc.returncode == 0, proc.stderr[-4000:]
     doc = json.loads(proc.stdout)
     print(f"\nrollout wall time {t1 - t0:.1f}s; per slice: "
           + ", ".join(f"{s['name']} {s['seconds']}" for s in doc["slices"]))
-    print(f"proxy restarts: {doc['proxy_restarts']}")
-    print(f"client load through the IGW router: {through_router.ok} ok, errors {through_router.kinds()}")
-    print(f"client load through the deployed proxy: {through_proxy.ok} ok, errors {through_proxy.kinds()}; "
+    print(f"re-adds: {doc['proxy_restarts']}")
+    print(f"client load through the proxy: {through_proxy.ok} ok, errors {through_proxy.kinds()}; "
           f"keep-alive: {keepalive.ok} ok, errors {keepalive.kinds()}")
 
     assert doc["result"] == "rolled-out" and doc["batches"] == plan["batches"]
     assert [s["result"] for s in doc["slices"]] == ["rolled-out"] * 4
     assert all(len(s["probes"]) == len([e for e in s["engines"]]) and all(p["ok"] for p in s["probes"])
                for s in doc["slices"])
-    # zero errors on every load, and each kept being served during the whole rollout
-    for load in (through_router, through_proxy, keepalive):
+    # zero errors (no refused connection among them) on every load, and each kept being served the whole time
+    for load in (through_proxy, keepalive):
         assert load.errors == [], load.errors[:5]
         assert load.ok >= 50 and load.first < t0 + 5 and load.last > t1 - 5
-    # each batch re-added its slice by restarting the router copies, never the proxy port
-    assert [r["kind"] for r in doc["proxy_restarts"]] == ["routers"] * 4
+    # each batch re-added its slice to each copy while the front held that copy: no router restarted
+    assert [r["kind"] for r in doc["proxy_restarts"]] == ["held"] * 8
+    copies_after = _front_routers(sb)
+    assert [(r["pid"], r["restarts"], r["held"]) for r in copies_after] == [
+        (r["pid"], r["restarts"], False) for r in copies_before]
 
     after = _supervised(sb)
     assert after["atlas-01:proxy"]["child_pid"] == before["atlas-01:proxy"]["child_pid"]
@@ -273,7 +239,7 @@ def test_rollout_of_a_serve_flag_changes_every_slice_with_zero_client_errors(clu
                for k in engines)
     for h in sb.hosts:
         scripts = sb.ssh(h, f"cat {SD}/current/engines/*.sh").stdout
-        assert scripts.count("--seed 2048") == (2 if h in ("atlas-01", "atlas-02") else 4), h
+        assert scripts.count("--seed 7") == (2 if h in ("atlas-01", "atlas-02") else 4), h
 
     current = json.loads((_state_dir(sb) / "current.json").read_text())
     assert current["release"] == doc["release"] and current["kind"] == "rollout"
@@ -282,15 +248,14 @@ def test_rollout_of_a_serve_flag_changes_every_slice_with_zero_client_errors(clu
     assert code == 0 and st["state"] == "healthy" and st["drift"] == [] and st["release"] == doc["release"]
     assert [(m["router"], m["members"], m["missing"]) for m in st["proxy"]["membership"]] == [(0, 12, []), (1, 12, [])]
 
-    again = kimictl("rollout", "-i", inv, "--router", sb.router, "--yes", "--output", "json")
+    again = kimictl("rollout", "-i", inv, "--yes", "--output", "json")
     assert again.returncode == 0 and json.loads(again.stdout)["result"] == "no-changes", again.stderr[-2000:]
 
 
 def test_a_canary_that_fails_its_gate_is_rolled_back(cluster) -> None:
     sb = cluster
     inv = str(sb.inventory)
-    args = ["rollout", "-i", inv, "--set", "decode.serve.max-num-seqs=12", "--router", sb.router,
-            "--yes", "--output", "json"]
+    args = ["rollout", "-i", inv, "--set", "decode.serve.max-num-seqs=12", "--yes", "--output", "json"]
     plan = json.loads(kimictl(*args, "--check").stdout)
     canary = next(s for s in plan["slices"] if s["canary"])
     host = canary["hosts"][0]
@@ -329,39 +294,75 @@ def _admin_key(sb) -> str:
     return path.read_text().strip()
 
 
-def test_the_keys_stay_out_of_files_logs_and_bundles(cluster, tmp_path) -> None:
+def _engine_key(sb) -> str:
+    path = _state_dir(sb) / "secrets" / "engine-api-key"
+    assert path.stat().st_mode & 0o777 == 0o600
+    return path.read_text().strip()
+
+
+def test_the_keys_stay_out_of_files_logs_argv_and_bundles(cluster, tmp_path) -> None:
     sb = cluster
-    admin = _admin_key(sb)
+    admin, engine = _admin_key(sb), _engine_key(sb)
+    assert engine not in (API_KEY, admin)
     key_file = sb.ssh("atlas-01", f"stat -c '%a %U' {SD}/secrets/proxy-api-key; cat {SD}/secrets/proxy-api-key; "
                                   f"stat -c '%a %U' {SD}/secrets/proxy-admin-key; cat {SD}/secrets/proxy-admin-key")
     assert key_file.stdout.split("\n")[:4] == ["600 root", API_KEY, "600 root", admin]
+    for h in sb.hosts:  # the engines' key: a 0600 env file on every host, nowhere else, on no command line
+        env = sb.ssh(h, f"stat -c '%a %U' {SD}/secrets/engine-api-key.env; cat {SD}/secrets/engine-api-key.env")
+        assert env.stdout.split("\n")[:2] == ["600 root", f"VLLM_API_KEY={engine}"], h
+        argv = sb.ssh(h, "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' '").stdout
+        assert "load_balance_proxy" in argv or h != "atlas-01"
+        for key in (API_KEY, admin, engine):
+            assert key not in argv, (h, key)
     for h in sb.hosts:  # releases, supervisor states, logs, the front's state
-        for key in (API_KEY, admin):
+        for key in (API_KEY, admin, engine):
             hits = sb.ssh(h, f"grep -rl -- {key} {SD}/releases {SD}/run {SD}/logs {SD}/current/ 2>/dev/null")
             assert hits.stdout.strip() == "", (h, hits.stdout)
-    for key in (API_KEY, admin):  # run directories, records, ansible artifacts (the key file itself aside)
+    for key in (API_KEY, admin, engine):  # run directories, records, ansible artifacts (the key files aside)
         control = subprocess.run(["grep", "-rl", "--exclude-dir=secrets", "--", key, str(_state_dir(sb))],
                                  capture_output=True, text=True, check=False)
         assert control.stdout.strip() == "", control.stdout
     bundle = tmp_path / "bundle.tar.gz"
     res = kimictl("logs", "-i", str(sb.inventory), "--bundle", str(bundle))
     assert res.returncode == 0, res.stderr[-2000:]
-    for key in (API_KEY, admin):
+    for key in (API_KEY, admin, engine):
         assert subprocess.run(["zgrep", "-c", "-a", "--", key, str(bundle)], capture_output=True, text=True,
                               check=False).stdout.strip() == "0"
         assert key not in res.stdout + res.stderr
 
 
+def test_engines_require_their_key_and_listen_on_the_business_ip_only(cluster) -> None:
+    """issue 16 item 2: a direct request to an engine without its key is refused (401), the client key does not
+    open it either, and through the proxy the client key gets 200; engines bind their host's business IP."""
+    sb = cluster
+    e = next(x for x in sb.engines if x["role"] == "decode")
+    body = {"model": "kimi-k2.5", "prompt": "straight to an engine", "max_tokens": 2}
+    for key in (None, API_KEY):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(f"http://{e['ip']}:{e['port']}/v1/completions", body, api_key=key)
+        assert refused.value.code == 401
+    assert _post(f"http://{e['ip']}:{e['port']}/v1/completions", body, api_key=_engine_key(sb))[0] == 200
+    assert _post(f"http://{sb.host('atlas-01')['ip']}:8000/v1/completions", body, api_key=API_KEY)[0] == 200
+    host = next(h for h in sb.hosts if sb.host(h)["ip"] == e["ip"])
+    listening = sb.ssh(host, f"ss -Hltn 'sport = :{e['port']}'").stdout.split()
+    assert f"{e['ip']}:{e['port']}" in listening and f"0.0.0.0:{e['port']}" not in listening
+    local = sb.ssh(host, f"python3 -c \"import socket; s=socket.socket(); print(s.connect_ex(('127.0.0.1', "
+                         f"{e['port']})))\"").stdout.strip()
+    assert local != "0", "the engine answers on loopback: it listens on more than the business IP"
+
+
 def test_the_routers_admin_api_is_closed_to_the_client_key(cluster) -> None:
-    """A client key holder cannot drain the routers behind the proxy (vllm-router's /remove_worker took the service
-    down through the front); kimictl reaches them with its admin key."""
+    """A client key holder cannot drain the routers behind the proxy (a router's membership API reached through the
+    front took the service down) nor hold a copy; kimictl reaches them with its admin key."""
     sb = cluster
     proxy = f"http://{sb.host('atlas-01')['ip']}:8000"
-    victim = urllib.parse.quote(f"http://{sb.engines[0]['ip']}:{sb.engines[0]['port']}", safe="")
-    for path, code in ((f"/remove_worker?url={victim}", 404), (f"/kimictl/router/0/remove_worker?url={victim}", 403),
-                       (f"/kimictl/router/1/remove_worker?url={victim}", 403), ("/workers", 404)):
+    victim = f"{sb.engines[0]['ip']}:{sb.engines[0]['port']}"
+    drain = {"type": sb.engines[0]["role"], "instances": [victim]}
+    for path, code in (("/instances/remove", 404), ("/kimictl/router/0/instances/remove", 403),
+                       ("/kimictl/router/1/instances/remove", 403), ("/kimictl/front/router/0/hold", 403),
+                       ("/healthcheck", 404)):
         with pytest.raises(urllib.error.HTTPError) as refused:
-            _post(proxy + path, {"url": victim}, api_key=API_KEY)
+            _post(proxy + path, drain, api_key=API_KEY)
         assert refused.value.code == code, path
     code, st = _status(sb)
     assert code == 0 and st["state"] == "healthy"

@@ -47,6 +47,17 @@ def test_link_down(a3):
     assert r.stdout == "link status: UP\n" and "+ exec " not in r.stderr, r.stderr[-400:]
 
 
+def test_link_down_of_the_first_npu_takes_only_its_own_device_ip(a3):
+    # NPU 0's address is the primary one of the device subnet: removing it must not take the others with it
+    a3.fault("link-down:atlas-02:0")
+    held = a3.nsenter("atlas-02", ["ip", "-o", "-4", "addr", "show", "dev", "eth1"]).stdout
+    assert {f"{a3.device_ip('atlas-02', n)}/16" for n in range(1, 16)} <= set(held.split())
+    assert f"{a3.device_ip('atlas-02', 0)}/16" not in held.split()
+    a3.fault("clear:atlas-02")
+    held = a3.nsenter("atlas-02", ["ip", "-o", "-4", "addr", "show", "dev", "eth1"]).stdout
+    assert {f"{a3.device_ip('atlas-02', n)}/16" for n in range(16)} <= set(held.split())
+
+
 def test_cut_route_really_cuts_the_device_network(a3):
     target = a3.device_ip("atlas-02", 0)
     assert a3.ssh("atlas-01", f"{HCCN} -i 0 -hccs_ping -g address {target}").returncode == 0

@@ -50,7 +50,8 @@ def test_every_command_that_changes_what_serves_takes_yes() -> None:
 def inventory(tmp_path: Path, monkeypatch) -> Path:
     monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "state"))
     doc = {"all": {"vars": {"kimi_cluster": "cli-rules", "kimi_model_dir": "/data/models/Kimi-K2.5-W4A8",
-                            "kimi_runtime": "host", "kimi_nic": "eth0", "kimi_model_source": "local"},
+                            "kimi_runtime": "host", "kimi_nic": "eth0", "kimi_model_source": "local",
+                            "kimi_proxy_script": "/opt/vllm-ascend/examples/proxy.py"},
                    "hosts": {"atlas-01": {"ansible_host": "10.9.0.11", "kimi_hardware": "atlas-800-a3"},
                              "atlas-02": {"ansible_host": "10.9.0.12", "kimi_hardware": "atlas-800-a3"}}}}
     (tmp_path / "inv.yml").write_text(yaml.safe_dump(doc))

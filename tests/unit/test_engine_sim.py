@@ -961,7 +961,8 @@ def test_rendered_a3_pd_argv_runs_and_moves_kv_both_sides(simhost, tmp_path):
 
     inv_path = tmp_path / "inv.yml"
     inv_path.write_text(yaml.safe_dump({"all": {
-        "vars": {"kimi_cluster": "simtest", "kimi_model_dir": "/m", "kimi_nic": "lo", "kimi_runtime": "host"},
+        "vars": {"kimi_cluster": "simtest", "kimi_model_dir": "/m", "kimi_nic": "lo", "kimi_runtime": "host",
+                 "kimi_proxy_script": "/opt/vllm-ascend/proxy.py"},
         "hosts": {"p": {"ansible_host": "127.0.0.1", "kimi_hardware": "atlas-800-a3"},
                   "d": {"ansible_host": "127.0.0.2", "kimi_hardware": "atlas-800-a3"}}}}))
     inv, topo = load_inventory(inv_path), load_topology("a3-pd")
@@ -970,6 +971,8 @@ def test_rendered_a3_pd_argv_runs_and_moves_kv_both_sides(simhost, tmp_path):
     def launch(engine_id: str, kv_width: int) -> tuple[Sim, int]:
         e = engines[engine_id]
         argv = list(e.argv[3:])  # after `vllm serve MODEL`
+        assert argv[argv.index("--host") + 1] == e.host_ip  # engines listen on their host's business IP
+        argv[argv.index("--host") + 1] = "127.0.0.1"  # this one fake host answers on loopback
         argv[argv.index("--port") + 1] = str(free_port())
         i = argv.index("--kv-transfer-config") + 1
         kv = json.loads(argv[i])

@@ -23,6 +23,8 @@ HOSTS = ["atlas-01", "atlas-02"]
     ("engine-crash:atlas-02", Fault("engine-crash", "atlas-02", "*")),
     ("engine-hang:atlas-02:decode", Fault("engine-hang", "atlas-02", "decode")),
     ("port-taken:atlas-01:8000", Fault("port-taken", "atlas-01", 8000)),
+    ("kv-pressure:atlas-02", Fault("kv-pressure", "atlas-02", 4)),
+    ("kv-pressure:atlas-02:16", Fault("kv-pressure", "atlas-02", 16)),
     ("clear:all", Fault("clear", "all", None)),
     ("clear:atlas-02", Fault("clear", "atlas-02", None)),
 ])
@@ -45,6 +47,8 @@ def test_valid_specs(spec, expected):
     ("cut-route:atlas-01:atlas-07", "'atlas-07'"),
     ("engine-crash:atlas-01:router", "'router'"),
     ("port-taken:atlas-01:70000", "'70000'"),
+    ("kv-pressure:atlas-01:0", "'0'"),
+    ("kv-pressure:atlas-01:many", "'many'"),
     ("host-down:all", "'all'"),
     ("host-down", "missing host"),
     ("npu-unhealthy:atlas-01:\u00b2", "'\u00b2'"),         # str.isdigit() says yes to a superscript two
@@ -65,11 +69,12 @@ def test_apply_to_doc_builds_the_keys_the_doubles_and_engine_read():
     doc: dict = {}
     for spec in ["npu-unhealthy:atlas-01:3", "npu-unhealthy:atlas-01:3", "link-down:atlas-01:5",
                  "engine-crash:atlas-01:prefill", "engine-hang:atlas-01", "port-taken:atlas-01:8000",
-                 "driver-mismatch:atlas-01:1.0", "small-disk:atlas-01:1G", "slow-link:atlas-01:1gbit"]:
+                 "driver-mismatch:atlas-01:1.0", "small-disk:atlas-01:1G", "slow-link:atlas-01:1gbit",
+                 "kv-pressure:atlas-01"]:
         doc = apply_to_doc(doc, parse_fault(spec))
     assert doc == {"npu_unhealthy": [3], "link_down": [5], "engine_crash_at_start": ["prefill"],
                    "engine_hang_in_load": ["*"], "port_taken": [8000], "driver_version": "1.0",
-                   "small_disk": "1G", "slow_link": "1gbit"}
+                   "small_disk": "1G", "slow_link": "1gbit", "kv_pressure_tokens": 4}
 
 
 def test_apply_to_doc_does_not_mutate_its_input():

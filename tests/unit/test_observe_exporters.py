@@ -151,6 +151,45 @@ def test_proxy_exporter_reports_real_router_membership_and_relays_its_metrics(pr
     assert samples(get(f"{base}/metrics")[1])[("kimi_proxy_front_up", ())] == 0
 
 
+@pytest.mark.slow
+def test_proxy_exporter_reads_the_upstream_proxys_instances(procs):
+    from test_ascend_proxy import KIND, _script
+
+    script = _script()  # vllm-ascend's own proxy from the pinned sdist (skips when it cannot be had)
+    engines = [f"127.0.0.1:{free_port()}" for _ in range(3)]  # it checks no engine before it serves
+    router = (free_port(), free_port())
+    front = Stub()
+    argv = [sys.executable, str(script), "--host", "127.0.0.1", "--port", str(router[0]),
+            "--prefiller-hosts", "127.0.0.1", "--prefiller-ports", engines[0].split(":")[1],
+            "--decoder-hosts", "127.0.0.1", "127.0.0.1", "--decoder-ports", engines[1].split(":")[1],
+            engines[2].split(":")[1], *KIND.args]
+    r_proc, r_log = procs(argv, "upstream-proxy")
+    wait_http(f"http://127.0.0.1:{router[0]}{KIND.health_path}", r_proc, r_log)
+    port, dead = free_port(), (free_port(), free_port())
+    e_proc, e_log = procs([HOST_PY, proxy_exporter.__file__, "--listen", f"127.0.0.1:{port}", "--front-port",
+                           str(front.server_address[1]), "--router", f"{router[0]}:{router[1]}", "--router",
+                           f"{dead[0]}:{dead[1]}", "--membership", "instances", "--no-router-metrics", "--timeout",
+                           "1"], "exporter")
+    base = f"http://127.0.0.1:{port}"
+    wait_http(f"{base}/", e_proc, e_log)
+    m = samples(get(f"{base}/metrics")[1])
+    assert m[("kimi_proxy_router_up", (("port", str(router[0])), ("router", "0")))] == 1
+    assert m[("kimi_proxy_router_up", (("port", str(dead[0])), ("router", "1")))] == 0
+    assert {k[1]: v for k, v in m.items() if k[0] == "kimi_proxy_router_workers"} == {
+        (("router", "0"), ("worker_type", "decode")): 2, (("router", "0"), ("worker_type", "prefill")): 1}
+    assert {dict(k[1])["url"] for k in m if k[0] == "kimi_proxy_router_worker"} == {f"http://{e}" for e in engines}
+    # no metrics of its own: the copy's target is up while it answers, down when it does not
+    assert get(f"{base}/router/0/metrics")[0] == 200 and get(f"{base}/router/1/metrics")[0] == 503
+
+    body = json.dumps({"type": "decode", "instances": [engines[2]]}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{router[0]}/instances/remove", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        assert r.status == 200
+    m = samples(get(f"{base}/metrics")[1])
+    assert m[("kimi_proxy_router_workers", (("router", "0"), ("worker_type", "decode")))] == 1
+
+
 def test_proxy_exporter_reads_vllm_router_workers_shape():
     # GET /workers of vllm-router 0.1.17 in P/D mode (measured), and answers that are not that shape.
     body = json.dumps({"workers": [

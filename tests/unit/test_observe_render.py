@@ -155,7 +155,7 @@ def exported_names(tmp_path: Path, monkeypatch) -> set[str]:
     m.register_engine(("kimi-k2.5", "0"))
     add(m.render())
     workers = json.dumps({"workers": [{"url": "http://10.0.0.1:7100", "worker_type": "prefill", "is_healthy": True}]})
-    monkeypatch.setattr(proxy_exporter, "fetch", lambda url, _t: (200, workers.encode(), "application/json"))
+    monkeypatch.setattr(proxy_exporter, "fetch", lambda url, _t, _b=None: (200, workers.encode(), "application/json"))
     add(proxy_exporter.Exporter(1, [(2, 3)], 0.1).collect())
     monkeypatch.setenv("KIMI_SIM_DIR", str(make_sim(tmp_path, "atlas-800-a3")))
     add(npu_exporter.metrics())

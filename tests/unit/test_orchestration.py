@@ -124,6 +124,8 @@ class FakeHttp:
 class FakeRouter:
     """A router in IGW mode (adds workers at runtime); every copy starts with every endpoint of the old release."""
 
+    membership = "workers"
+
     def __init__(self, url: str, members: dict[str, str], log: list[tuple[str, str, str]]):
         self.url, self.log = url, log
         self._members = dict(members)
@@ -134,7 +136,7 @@ class FakeRouter:
     def supports_runtime_add(self) -> bool:
         return True
 
-    def remove(self, url: str) -> None:
+    def remove(self, url: str, role: str | None = None) -> None:
         self.log.append((self.url, "remove", url))
         self._members.pop(url, None)
 
@@ -143,9 +145,54 @@ class FakeRouter:
         self._members[url] = role
 
 
+class FakeInstances(FakeRouter):
+    """vllm-ascend's proxy behind kimictl's front: a removal while it serves only taints the instance (still listed,
+    no new request), and the taint ends only once the copy is idle - which the front's hold makes it."""
+
+    membership = "instances"
+
+    def __init__(self, url: str, members: dict[str, str], log: list[tuple[str, str, str]], front: FakeFront):
+        super().__init__(url, members, log)
+        self.front, self.index = front, int(url.rstrip("/").rsplit("/", 1)[1])
+        self.tainted: set[str] = set()
+
+    def members(self) -> dict[str, str]:
+        return {u: r for u, r in self._members.items() if u not in self.tainted}
+
+    def remove(self, url: str, role: str | None = None) -> None:
+        assert role in ("prefill", "decode")
+        self.log.append((self.url, "remove", url))
+        self.tainted.add(url)  # it always serves: a client loop keeps it busy
+
+    def readd(self, eps: list[tuple[str, str]], timeout: float, check_interval: float) -> None:
+        assert self.front.held == {self.index}, "re-adding while the front sends it requests never finishes"
+        for url, role in eps:
+            self.tainted.discard(url)
+            self.log.append((self.url, "add", url))
+            self._members[url] = role
+
+
+class FakeFront:
+    """kimictl's front: which copies it holds (no new client request), and the order of holds and releases."""
+
+    def __init__(self, log: list[tuple[str, str, str]]):
+        self.held: set[int] = set()
+        self.log = log
+
+    def hold(self, index: int, seconds: float) -> None:
+        assert seconds > 0 and not self.held, "one copy at a time"
+        self.held.add(index)
+        self.log.append(("front", "hold", str(index)))
+
+    def release(self, index: int) -> None:
+        self.held.discard(index)
+        self.log.append(("front", "release", str(index)))
+
+
 def _inventory(tmp_path: Path, hosts: int) -> Inventory:
     doc = {"all": {"vars": {"kimi_cluster": CLUSTER, "kimi_model_dir": "/data/models/Kimi-K2.5-W4A8",
-                            "kimi_runtime": "host", "kimi_nic": "eth0"},
+                            "kimi_runtime": "host", "kimi_nic": "eth0",
+                            "kimi_proxy_script": "/opt/vllm-ascend/examples/proxy.py"},
                    "hosts": {f"atlas-{i:02d}": {"ansible_host": f"10.9.0.{10 + i}", "kimi_hardware": "atlas-800-a3"}
                              for i in range(1, hosts + 1)}}}
     (tmp_path / "inv.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -238,10 +285,15 @@ def test_a_failed_smoke_rolls_back_and_a_good_deploy_switches_and_records(tmp_pa
 # --- rollout -----------------------------------------------------------------------------------------------
 
 
-def _rollout_setup(tmp_path: Path, broken_engines: set[str], new_tags_only: bool = True):
-    """2P2D on four A3 hosts runs its recorded release; the change touches both decode slices."""
+def _rollout_setup(tmp_path: Path, broken_engines: set[str], new_tags_only: bool = True,
+                   kind: str = "vllm-ascend-proxy"):
+    """2P2D on four A3 hosts runs its recorded release; the change touches both decode slices. `kind`: the router
+    behind the front (vllm-router needs decode's recompute scheduler off)."""
     inv = _inventory(tmp_path, 4)
     topo = load_topology("a3-pd")
+    if kind == "vllm-router":
+        topo, _ = apply_sets(topo, inv, parse_sets(["proxy.router=vllm-router",
+                                                    "decode.switches.recompute_scheduler=false"], topo))
     old = render(make_plan(inv, topo), inv, topo)
     sets = parse_sets(["decode.serve.max-num-seqs=16"], topo)
     t2, i2 = apply_sets(topo, inv, sets)
@@ -258,12 +310,17 @@ def _rollout_setup(tmp_path: Path, broken_engines: set[str], new_tags_only: bool
         return e is not None and e.id in broken_engines and ops.procs[e.host][e.id]["tag"] in new_tags
 
     log: list[tuple[str, str, str]] = []
+    front = FakeFront(log)
 
     def router(url: str, api_key: str | None = None, http: Any = None) -> FakeRouter:
         return FakeRouter(url, {u: e.role for u, e in eps.items()}, log)
 
+    def instances(url: str, api_key: str | None = None, http: Any = None) -> FakeInstances:
+        return FakeInstances(url, {u: e.role for u, e in eps.items()}, log, front)
+
     ro = Rollout(inv, rec, old, new, t2, sets, RolloutOptions(canary=1, serial=1, drain_quiet=0.0, drain_timeout=5),
-                 lambda m: None, ops=ops, http=FakeHttp(broken), router=router)
+                 lambda m: None, ops=ops, http=FakeHttp(broken), router=router, instances=instances,
+                 front=lambda url, api_key=None, http=None: front)
     ro.router_log = log
     return ro, ops, old, new
 
@@ -273,8 +330,9 @@ def _restarts(ops: FakeOps) -> list[tuple[str, list[str]]]:
              for i in ids)) for c in ops.actions() if c[1].startswith("restart on the")]
 
 
-def test_rollout_goes_batch_by_batch_and_records_the_new_release(tmp_path: Path) -> None:
-    ro, ops, _, new = _rollout_setup(tmp_path, set())
+@pytest.mark.parametrize("kind", ["vllm-ascend-proxy", "vllm-router"])
+def test_rollout_goes_batch_by_batch_and_records_the_new_release(tmp_path: Path, kind: str) -> None:
+    ro, ops, _, new = _rollout_setup(tmp_path, set(), kind=kind)
     res = ro.run()
     assert res.result == "rolled-out" and res.batches == [["decode-0"], ["decode-1"]]
     assert [s.result for s in res.slices] == ["rolled-out", "rolled-out"]
@@ -317,5 +375,24 @@ def test_a_failed_second_batch_rolls_back_every_touched_slice_in_reverse_order(t
     assert (rec.result, rec.release, rec.attempted_release) == ("rolled-back", before.release, ro.release)
     assert {c["slice"]: c["result"] for c in rec.changes} == {"decode-0": "rolled-back", "decode-1": "rolled-back"}
     # every endpoint is back in the routers
+    urls = {f"http://{e.host_ip}:{e.port}" for e in new.engines if e.serves_http}
+    assert all(set(r.members()) == urls for r in ro.routers)
+
+
+def test_the_upstream_proxy_takes_drained_engines_back_one_held_copy_at_a_time(tmp_path: Path) -> None:
+    """vllm-ascend's proxy keeps a drained engine (tainted) until it is idle: each copy is held by the front (no new
+    client request), re-adds, and is released before the next copy is held; no proxy restart."""
+    ro, ops, _, new = _rollout_setup(tmp_path, set())
+    res = ro.run()
+    assert res.result == "rolled-out" and set(res.membership.values()) == {"instances"}
+    assert not [c for c in ops.calls if c[0] == "reload_proxy"] and not ops.actions("proxy restart (re-add")
+    front = [(op, i) for who, op, i in ro.router_log if who == "front"]
+    assert front == [("hold", "0"), ("release", "0"), ("hold", "1"), ("release", "1")] * 2  # two batches
+    copy0 = [(op, u) for who, op, u in ro.router_log if who.endswith("/kimictl/router/0")]
+    d0 = {f"http://{e.host_ip}:{e.port}" for e in new.engines if e.instance == "decode-0"}
+    n = len(d0)
+    assert {op for op, _ in copy0[:n]} == {"remove"} and {u for _, u in copy0[:n]} == d0  # drained first,
+    assert {op for op, _ in copy0[n:2 * n]} == {"add"} and {u for _, u in copy0[n:2 * n]} == d0  # then re-added
+    assert [r["kind"] for r in res.proxy_restarts] == ["held"] * 4
     urls = {f"http://{e.host_ip}:{e.port}" for e in new.engines if e.serves_http}
     assert all(set(r.members()) == urls for r in ro.routers)

@@ -102,6 +102,8 @@ def case(draw) -> tuple[dict[str, Any], dict[str, Any]]:
         "kimi_cluster": draw(NAMES), "kimi_model_dir": "/data/models/Kimi-K2.5-W4A8", "kimi_nic": "eth0",
         "kimi_runtime": draw(st.sampled_from(["container", "host"])),
     }
+    if draw(st.booleans()):  # host runtime without it: the planner refuses vllm-ascend-proxy (exit 2)
+        cluster["kimi_proxy_script"] = "/opt/vllm-ascend/examples/disaggregated_prefill_v1/proxy.py"
     if draw(st.booleans()):
         cluster["kimi_draft_model_dir"] = "/data/models/kimi-k2.5-eagle3"
     if mode == "pd" and draw(st.booleans()):
@@ -228,8 +230,21 @@ def _check_proxy(plan: Plan, inv: Inventory, contract: dict[str, Any]) -> None:
         assert all(by_id[x.engine].host_ip == x.ip and by_id[x.engine].role == role for x in listed)
         doc = sorted((x["host"], x["port"]) for x in contract["proxy"][role])
         assert doc == sorted((by_id[x.engine].host_ip, x.port) for x in listed)
-        urls = [v for k, v in itertools.pairwise(contract["proxy"]["argv"]) if k == f"--{role}"]
-        assert sorted(urls) == sorted(f"http://{h}:{p}" for h, p in doc), "proxy command routes to every endpoint"
+        assert sorted(_routed(contract["proxy"]["argv"], role)) == sorted(f"http://{h}:{p}" for h, p in doc), \
+            "proxy command routes to every endpoint"
+
+
+def _routed(argv: list[str], role: str) -> list[str]:
+    """The endpoint URLs of one role in a router copy's command, in either kind's spelling."""
+    if f"--{role}" in argv:  # vllm-router: --prefill URL --decode URL ...
+        return [v for k, v in itertools.pairwise(argv) if k == f"--{role}"]
+    side = {"prefill": "prefiller", "decode": "decoder"}[role]  # vllm-ascend-proxy: parallel host and port lists
+
+    def values(flag: str) -> list[str]:
+        rest = argv[argv.index(flag) + 1:]
+        return list(itertools.takewhile(lambda a: not a.startswith("--"), rest))
+
+    return [f"http://{h}:{p}" for h, p in zip(values(f"--{side}-hosts"), values(f"--{side}-ports"), strict=True)]
 
 
 def _check_argv(plan: Plan, topo: Topology, contract: dict[str, Any]) -> None:

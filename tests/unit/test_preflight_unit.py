@@ -7,6 +7,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -138,7 +139,7 @@ def _probe_run(tmp_path: Path, smi: str = SMI_IDLE, **over) -> dict[str, tuple[s
     ctx = dict(host="h1", npus=range(3), health_npus=[1], device_ip_query="-ip", model_dir=str(model),
                state_dir=str(tmp_path / "state"), nic="lo", runtime="host", image="img", ports=[1],
                engine_command="sh", pings=[{"npu": 0, "address": "10.9.9.8"}, {"npu": 2, "address": "10.9.9.9"}],
-               ping_flag="-ping")
+               ping_flag="-ping", proxy_check=None)
     ctx.update(over)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -278,3 +279,34 @@ def test_hub_clients_are_core_dependencies() -> None:
     assert {"modelscope", "huggingface-hub"} <= core
     extras = project.get("optional-dependencies", {}).values()
     assert not any("modelscope" in d or "huggingface" in d for extra in extras for d in extra)
+
+
+def test_probe_checks_the_upstream_proxy_script_and_its_modules_on_the_proxy_host(tmp_path: Path) -> None:
+    """RT-003 (vllm-ascend-proxy, kimi_runtime host): the script the inventory names exists and the python that
+    runs it imports fastapi, httpx and uvicorn; either missing fails with the reason."""
+    import yaml
+
+    from kimictl.inventory import load_inventory
+    from kimictl.plan import make_plan
+    from kimictl.preflight import _proxy_check
+    from kimictl.topology import load_topology
+
+    script = tmp_path / "load_balance_proxy_server_example.py"
+    doc = yaml.safe_load((Path(__file__).parents[2] / "inventories" / "a3-pd.yml").read_text())
+    doc["all"]["vars"].update(kimi_runtime="host", kimi_proxy_script=str(script), kimi_proxy_python=sys.executable)
+    (tmp_path / "inv.yml").write_text(yaml.safe_dump(doc))
+    inv = load_inventory(tmp_path / "inv.yml")
+    plan = make_plan(inv, load_topology("a3-pd"))
+    proxy_host, other = inv.host("a3-node-01"), inv.host("a3-node-02")
+    assert _proxy_check(inv, plan, other) is None
+    check = _proxy_check(inv, plan, proxy_host)
+    assert check[0] == sys.executable and check[-1] == str(script)
+    sec = _probe_run(tmp_path / "a", proxy_check=check)
+    assert sec["proxy"][1] != 0 and f"no such file: {script}" in sec["proxy"][0]
+    script.write_text("# the upstream proxy\n")
+    sec = _probe_run(tmp_path / "b", proxy_check=check)
+    assert sec["proxy"] == (sys.version.split()[0], 0)  # this venv has the test extra's fastapi, httpx, uvicorn
+    no_modules = ["/usr/bin/env", "-i", "/usr/bin/python3", "-I", *check[1:]]
+    sec = _probe_run(tmp_path / "c", proxy_check=no_modules)
+    assert sec["proxy"][1] != 0 and "ModuleNotFoundError" in sec["proxy"][0]
+    assert "proxy" not in _probe_run(tmp_path / "d")  # no check asked, no section

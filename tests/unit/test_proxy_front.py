@@ -503,6 +503,60 @@ def test_front_on_python_3_9_reloads_and_stops_its_routers(tmp_path: Path) -> No
     routers_gone(f)
 
 
+# --- router kinds: health path, metrics flag, holding a copy ---------------------------------------------------
+
+
+def test_a_router_kind_without_health_or_metrics_of_vllm_routers_shape(tmp_path: Path) -> None:
+    """vllm-ascend's proxy: the front checks its copies on /healthcheck, passes no --prometheus-port, and the proxy
+    port's open /health asks the copies' /healthcheck."""
+    f = Front(tmp_path, routers=2, extra=["--router-health", "/healthcheck", "--no-router-metrics"])
+    try:
+        code, doc = f.request("GET", "/health", key=None)
+        assert code == 200 and doc["status"] == "ok" and "prefill_instances" in doc
+        argv = doc["argv"]
+        last_port = argv[len(argv) - 1 - argv[::-1].index("--port") + 1]  # argparse: the last one wins
+        assert "--prometheus-port" not in argv and last_port in {str(r["port"]) for r in f.doc()["routers"]}
+        assert f.request("POST", "/v1/completions", {"prompt": "x"})[0] == 200
+    finally:
+        f.stop()
+
+
+def test_a_held_copy_gets_no_new_client_request_until_released_or_its_lease_ends(tmp_path: Path) -> None:
+    f = Front(tmp_path, routers=2)
+    try:
+        ports = [r["port"] for r in f.doc()["routers"]]
+        keep = http.client.HTTPConnection("127.0.0.1", f.port, timeout=10)
+
+        def served(n: int) -> set[int]:
+            out = set()
+            for i in range(n):  # fresh connections and one keep-alive connection (its upstream is reused)
+                code, doc = f.request("POST", "/v1/completions", {"prompt": "x"}, conn=keep if i % 2 else None)
+                assert code == 200
+                out.add(int(doc["choices"][0]["text"].split()[1]))
+            return out
+
+        assert served(8) == set(ports)
+        assert f.request("POST", "/kimictl/front/router/0/hold", key=KEY)[0] == 403  # the client key cannot
+        code, doc = f.request("POST", "/kimictl/front/router/0/hold?seconds=30", key=ADMIN)
+        assert code == 200 and doc["held"] is True and f.doc()["routers"][0]["held"] is True
+        assert served(8) == {ports[1]}
+        # copy 0's own API still answers (the rollout re-adds through it while it is held)
+        assert f.request("GET", "/kimictl/router/0/workers", key=ADMIN)[0] == 200
+        assert f.request("POST", "/kimictl/front/router/1/hold", key=ADMIN)[0] == 409  # nobody left to serve
+        assert f.request("POST", "/kimictl/front/router/0/release", key=ADMIN) == (200, {
+            "router": 0, "held": False, "active": f.doc()["routers"][0]["active"]})
+        assert served(8) == set(ports)
+        assert f.request("POST", "/kimictl/front/router/1/hold?seconds=0.5", key=ADMIN)[0] == 200
+        assert served(4) == {ports[0]}
+        time.sleep(0.6)  # the lease ends by itself (a kimictl that died holding a copy cannot keep it out)
+        assert served(8) == set(ports)
+        assert f.request("GET", "/kimictl/front/router/0/hold", key=ADMIN)[0] == 405
+        assert f.request("POST", "/kimictl/front/router/5/hold", key=ADMIN)[0] == 404
+        keep.close()
+    finally:
+        f.stop()
+
+
 def test_routers_restart_when_the_watched_engine_ids_change(tmp_path: Path) -> None:
     """--watch: a router that learns prefill engine ids at its start (vllm-router asking a Mooncake bootstrap
     server) is restarted when a prefill engine comes back under a new id; meanwhile the state says they are stale."""

@@ -149,6 +149,8 @@ class Parity:
                 self.used.add(dev)
         assert ke.pop("VLLM_HOST_IP") == host_ip
         self.used.add("host-ip")
+        assert uf.pop("--host") == "0.0.0.0" and kf.pop("--host") == host_ip
+        self.used.add("engine-bind")
         for key in ("HCCL_EXEC_TIMEOUT", "HCCL_CONNECT_TIMEOUT"):
             if key not in ue and key in ke:
                 assert ke.pop(key) == VERSION.env[key]

@@ -184,7 +184,9 @@ def test_proxy_front_with_api_key_renders_the_key_path_never_the_key(tmp_path: P
     assert front[front.index("--admin-key-file") + 1] == "/var/lib/kimi/secrets/proxy-admin-key"
     assert [front[i + 1] for i, a in enumerate(front) if a == "--router"] == ["8001:8002", "8003:8004"]
     # Each copy gets its loopback --host/--port from the front; the rendered router command carries none.
-    assert router[0] == "vllm-router" and "--port" not in router and "--host" not in router
+    assert router[:4] == ["bash", "./router.container.sh", "python3", "/vllm-workspace/vllm-ascend/examples/"
+                          "disaggregated_prefill_v1/load_balance_proxy_server_example.py"]
+    assert "--port" not in router and "--host" not in router
     assert r.contract()["proxy"]["api_key"] is True
     assert json.loads(r.files["a3-node-01"]["manifest.json"])["proxy"]["routers"] == 2
     assert not any("sk-never-rendered" in t for files in r.files.values() for t in files.values())

@@ -38,12 +38,13 @@ from kimictl.state import release_id
 from kimictl.topology import load_topology
 
 ROOT = Path(__file__).resolve().parents[2]
+PROXY_SCRIPT = "/opt/vllm-ascend/examples/disaggregated_prefill_v1/load_balance_proxy_server_example.py"
 
 
 def _inventory(tmp_path: Path, hosts: int = 4, **extra) -> Path:
     data = {"all": {"vars": {"kimi_cluster": "ro-unit", "kimi_model_dir": "/data/models/Kimi-K2.5-W4A8",
                              "kimi_vllm_ascend_version": "0.23.0", "kimi_runtime": "host", "kimi_nic": "eth0",
-                             **extra},
+                             "kimi_proxy_script": PROXY_SCRIPT, **extra},
                     "hosts": {f"atlas-{i:02d}": {"ansible_host": f"10.9.0.{10 + i}", "kimi_hardware": "atlas-800-a3"}
                               for i in range(1, hosts + 1)}}}
     path = tmp_path / f"inv{hosts}.yml"
@@ -176,7 +177,7 @@ def test_no_change_touches_nothing(base) -> None:
 def test_shape_and_proxy_changes(base) -> None:
     old, new = _changed(base, "decode.tp=8", "decode.dp=2")
     assert any("engines change shape" in p for p in analyze(old, new).problems)
-    old, new = _changed(base, "proxy.policy=random")
+    old, new = _changed(base, "proxy.routers=3")
     a = analyze(old, new)
     assert a.proxy_changed and a.touched == [] and list(a.changed_hosts) == ["atlas-01"] and not a.problems
     old, new = _changed(base, "proxy.port=8001")
@@ -459,7 +460,7 @@ def test_cli_refuses_an_incompatible_change_before_touching_hosts(tmp_path: Path
     monkeypatch.setattr(hostops, "observe", lambda *a, **k: pytest.fail("hosts were contacted"))
     for items, needle in ((["kimi_vllm_ascend_version=0.18.0"], "incompatible"),
                           (["decode.tp=8", "decode.dp=2"], "slice by slice"),
-                          (["proxy.policy=random"], "--allow-proxy-restart")):
+                          (["proxy.routers=3"], "--allow-proxy-restart")):
         args = ["rollout", "-i", str(inv_path), "--yes", "--output", "json"]
         for it in items:
             args += ["--set", it]

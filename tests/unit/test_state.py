@@ -26,7 +26,8 @@ def state_dir(tmp_path: Path, monkeypatch) -> Path:
 @pytest.fixture
 def inventory(tmp_path: Path) -> Path:
     doc = {"all": {"vars": {"kimi_cluster": CLUSTER, "kimi_model_dir": "/data/models/Kimi-K2.5-W4A8",
-                            "kimi_runtime": "host", "kimi_nic": "eth0"},
+                            "kimi_runtime": "host", "kimi_nic": "eth0",
+                            "kimi_proxy_script": "/opt/vllm-ascend/examples/proxy.py"},
                    "hosts": {f"atlas-{i}": {"ansible_host": f"10.9.0.{i}", "kimi_hardware": "atlas-800-a3"}
                              for i in (1, 2)}}}
     path = tmp_path / "inv.yml"

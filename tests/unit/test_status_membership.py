@@ -24,6 +24,23 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a):
         pass
 
+    def do_POST(self):
+        """vllm-ascend's proxy: an /instances/add of nothing answers with the current instances."""
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        prefix = self.path.removesuffix("/instances/add")
+        urls = LISTS.get(f"{prefix}/workers") if self.path.endswith("/instances/add") else None
+        ok = self.headers.get("Authorization") == "Bearer k" and urls and body.get("instances") == []
+        doc = {"message": "add prefill instances: [].",
+               "current_prefill_instances": [u.removeprefix("http://").rstrip("/") for u in urls if "7100" in u
+                                             and "10.0.0.1" in u],
+               "current_decode_instances": [u.removeprefix("http://").rstrip("/") for u in urls if "10.0.0.1" not in u]
+               } if ok else {"detail": "Not Found"}
+        raw = json.dumps(doc).encode()
+        self.send_response(200 if ok else 404)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
     def do_GET(self):
         if self.headers.get("Authorization") != "Bearer k":
             self.send_response(401)
@@ -41,12 +58,14 @@ def test_each_copy_is_checked_against_the_deployed_endpoints() -> None:
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
-        proxy = {"ip": "127.0.0.1", "port": srv.server_address[1], "routers": 3}
-        got = _membership(ENGINES, proxy, "k")
-        assert got[0] == {"router": 0, "members": 3, "missing": [], "unknown": []}
-        assert got[1] == {"router": 1, "members": 3, "missing": ["decode-0-dp1"], "unknown": ["http://10.9.9.9:7100"]}
-        assert got[2]["router"] == 2 and "404" in got[2]["error"]
-        assert "401" in _membership(ENGINES, proxy, None)[0]["error"]
+        for kind in ("vllm-router", "vllm-ascend-proxy"):  # GET /workers, or the instances an empty add lists
+            proxy = {"ip": "127.0.0.1", "port": srv.server_address[1], "routers": 3, "router": kind}
+            got = _membership(ENGINES, proxy, "k")
+            assert got[0] == {"router": 0, "members": 3, "missing": [], "unknown": []}, kind
+            assert got[1] == {"router": 1, "members": 3, "missing": ["decode-0-dp1"],
+                              "unknown": ["http://10.9.9.9:7100"]}, kind
+            assert got[2]["router"] == 2 and "404" in got[2]["error"], kind
+            assert ("401" if kind == "vllm-router" else "404") in _membership(ENGINES, proxy, None)[0]["error"]
     finally:
         srv.shutdown()
 

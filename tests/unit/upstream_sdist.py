@@ -1,4 +1,4 @@
-"""vllm-ascend's source distributions for tests: fetch through the package index, verify the pinned sha256, cache.
+"""vllm-ascend's source distributions for tests (fetched, sha256-verified and cached by kimictl/upstream.py).
 
 The sdists carry vllm-ascend's own multi-node CI recipes and its source. Tests read both from an extracted copy in
 the cache (KIMICTL_UPSTREAM_CACHE, default ~/.cache/kimictl/upstream); nothing is copied into the repository. When
@@ -8,115 +8,28 @@ the cache has no verified copy and the index cannot be reached, `sdist()` skips 
 from __future__ import annotations
 
 import ast
-import hashlib
-import json
-import os
 import re
-import shutil
-import tarfile
-import urllib.error
-import urllib.parse
-import urllib.request
 from functools import cache
-from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
 import yaml
 
-PINS = yaml.safe_load((Path(__file__).resolve().parents[1] / "data" / "upstream.yml").read_text())
-DEFAULT_INDEX = "https://pypi.org/simple"
-TIMEOUT_S = 60
+from kimictl import upstream
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KIMICTL_UPSTREAM_CACHE") or Path.home() / ".cache" / "kimictl" / "upstream")
-
-
-def index_url() -> str:
-    """The simple index pip uses (PIP_INDEX_URL), else PyPI's."""
-    return (os.environ.get("PIP_INDEX_URL") or DEFAULT_INDEX).rstrip("/")
-
-
-class _Links(HTMLParser):
-    def __init__(self) -> None:
-        super().__init__()
-        self.hrefs: list[str] = []
-
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "a":
-            self.hrefs += [v for k, v in attrs if k == "href" and v]
-
-
-def _file_url(filename: str) -> tuple[str, str | None]:
-    """(download URL, sha256 the index states) of one file of the project, from its simple-index page."""
-    page = f"{index_url()}/{PINS['package']}/"
-    req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json, text/html;q=0.1"})
-    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
-        body = resp.read()
-        kind = resp.headers.get("Content-Type", "")
-    if "json" in kind:
-        for f in json.loads(body)["files"]:
-            if f["filename"] == filename:
-                return urllib.parse.urljoin(page, f["url"]), f.get("hashes", {}).get("sha256")
-    else:
-        links = _Links()
-        links.feed(body.decode())
-        for href in links.hrefs:
-            url, _, frag = href.partition("#")
-            if url.rsplit("/", 1)[-1] == filename:
-                return urllib.parse.urljoin(page, url), frag.removeprefix("sha256=") if frag else None
-    raise FileNotFoundError(f"{filename} is not on {page}")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fetch(release: str) -> Path:
-    """The verified tarball of one pinned release in the cache (downloaded when missing)."""
-    pin = PINS["sdists"][release]
-    dest = cache_dir() / pin["file"]
-    if dest.exists() and _sha256(dest) == pin["sha256"]:
-        return dest
-    url, stated = _file_url(pin["file"])
-    if stated and stated != pin["sha256"]:
-        raise AssertionError(f"the index states sha256 {stated} for {pin['file']}; pinned {pin['sha256']}")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    part = dest.with_suffix(".part")
-    with urllib.request.urlopen(url, timeout=TIMEOUT_S) as resp, part.open("wb") as out:
-        shutil.copyfileobj(resp, out)
-    got = _sha256(part)
-    if got != pin["sha256"]:
-        part.unlink()
-        raise AssertionError(f"{url}: sha256 {got}, pinned {pin['sha256']}")
-    part.replace(dest)
-    return dest
+# kimictl's pins (package, sdists: file, sha256, profile) plus the test-only recipe selection.
+TEST_PINS = Path(__file__).resolve().parents[1] / "data" / "upstream.yml"
+PINS = {**upstream.pins(), **yaml.safe_load(TEST_PINS.read_text())}
 
 
 @cache
 def sdist(release: str) -> Path:
-    """The extracted source tree of a pinned release; skips the test when it cannot be had (and says why)."""
-    pin = PINS["sdists"][release]
-    tree = cache_dir() / pin["file"].removesuffix(".tar.gz")
-    stamp = tree / ".kimictl-sha256"
-    if stamp.exists() and stamp.read_text() == pin["sha256"]:
-        return tree / pin["file"].removesuffix(".tar.gz")
+    """The extracted source tree of a pinned release; skips the test when it cannot be had (and says why). A tarball
+    with other bytes than pinned fails the test."""
     try:
-        tarball = _fetch(release)
-    except (urllib.error.URLError, OSError, FileNotFoundError) as exc:
-        pytest.skip(f"vllm-ascend {release} sdist: not cached in {cache_dir()} and the index {index_url()} "
-                    f"is unreachable ({exc})")
-    shutil.rmtree(tree, ignore_errors=True)
-    tree.mkdir(parents=True)
-    with tarfile.open(tarball) as tar:
-        tar.extractall(tree, filter="data")
-    stamp.write_text(pin["sha256"])
-    return tree / pin["file"].removesuffix(".tar.gz")
+        return upstream.source_tree(release)
+    except upstream.UpstreamUnavailable as exc:
+        pytest.skip(f"vllm-ascend {release} sdist: {exc.message}")
 
 
 def recipe_paths() -> list[Path]:

@@ -1,7 +1,8 @@
 """A stand-in for vllm-router in the proxy front's tests: parses the flags the front gives it (the last one wins,
-like argparse), answers /health, /workers, /whoami and /v1/completions (slowly with ?slow, streamed with
-"stream": true), drops a worker on `POST /remove_worker?url=` (vllm-router's admin API) or `POST /instances/remove`
-(vllm-ascend's proxy's), and on SIGTERM stops listening and finishes in-flight requests, as vllm-router does.
+like argparse), answers /health, /healthcheck (with its argv), /workers, /whoami and /v1/completions (slowly with
+?slow, streamed with "stream": true), drops a worker on `POST /remove_worker?url=` (vllm-router's admin API) or
+`POST /instances/remove` (vllm-ascend's proxy's), and on SIGTERM stops listening and finishes in-flight requests,
+as vllm-router does.
 With FAKE_ROUTER_FAIL_FILE set and that file present it exits at once (a router that cannot start); with
 FAKE_ROUTER_DROP_EVERY=N it closes a keep-alive connection without an answer on every Nth request (the race of a
 router closing an idle connection just as a request arrives)."""
@@ -56,6 +57,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         if self.path == "/health":
             self.reply(200, {"ok": True})
+        elif self.path == "/healthcheck":  # vllm-ascend's proxy's health answer
+            self.reply(200, {"status": "ok", "prefill_instances": 1, "decode_instances": 1, "request_num": 0,
+                             "argv": sys.argv[1:]})
         elif self.path == "/workers":
             self.reply(200, {"workers": [{"url": u, "worker_type": "prefill"} for u in WORKERS]})
         elif self.path.startswith("/whoami"):

@@ -9,7 +9,7 @@ set +a
 export LD_LIBRARY_PATH=/usr/local/Ascend/ascend-toolkit/latest/python/site-packages/mooncake"${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
 if [ -e /usr/lib/aarch64-linux-gnu/libjemalloc.so.2 ]; then export LD_PRELOAD=/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"${LD_PRELOAD:+:${LD_PRELOAD}}"; fi
 exec vllm serve /data/models/Kimi-K2.5-W4A8 \
-  --host 0.0.0.0 \
+  --host 192.168.10.11 \
   --port 7100 \
   --data-parallel-size 4 \
   --data-parallel-size-local 4 \

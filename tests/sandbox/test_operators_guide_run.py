@@ -1,0 +1,187 @@
+"""docs/operators.md run as a new user would, against the shared 2-host A3 sandbox: every ```bash sandbox``` block
+in order in one shell session - the inventory is written from what npu-smi and hccn_tool print on the hosts over
+ssh (never copied from the sandbox's own file), then validate, plan, preflight, weights, deploy, status, bench,
+monitoring, logs, stop/start, an upgrade and its rollback - with each block's exit code and documented output
+checked. Then the troubleshooting rows the sandbox can cause: each fault's message must lead to its row."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import kimictl
+
+pytestmark = pytest.mark.sandbox
+
+_spec = importlib.util.spec_from_file_location("guide_doc", Path(__file__).resolve().parents[1] / "guide_doc.py")
+doc = importlib.util.module_from_spec(_spec)
+sys.modules["guide_doc"] = doc
+_spec.loader.exec_module(doc)
+
+BLOCKS = [b for b in doc.blocks(doc.GUIDE) if b.lang == "bash" and "sandbox" in b.marks]
+SD = "/var/lib/kimi"
+
+
+@dataclass
+class Ran:
+    rc: int | None     # None: the session ended before the block
+    output: str
+
+
+def _script(blocks: list, sandbox_dir: str) -> str:
+    """One bash session: each block between markers, `set -e` inside it; an `exit=N` block's last command must
+    exit N (the ones before it must succeed)."""
+    parts = ["exec 2>&1"]
+    for n, b in enumerate(blocks):
+        text = b.text.replace(doc.SANDBOX_DIR, sandbox_dir).rstrip("\n")
+        parts.append(f"printf '\\n@@guide-block {n}\\n'")
+        if b.exit:
+            head, _, last = text.rpartition("\n")
+            parts += ["set -e", head, "set +e", f"__rc=0; {last} || __rc=$?"]
+        else:
+            parts += ["set -e", text, "set +e", "__rc=0"]
+        parts.append(f"printf '\\n@@guide-end {n} %s %s\\n' \"$__rc\" \"$SECONDS\"")
+        parts.append(f"[ \"$__rc\" -eq {b.exit} ] || exit 97")
+    return "\n".join(parts) + "\n"
+
+
+def _split(out: str, count: int) -> list[Ran]:
+    ran = [Ran(None, "") for _ in range(count)]
+    for m in re.finditer(r"^@@guide-block (\d+)\n(.*?)(?:^@@guide-end \1 (\d+) \d+\n|\Z)", out, flags=re.S | re.M):
+        ran[int(m.group(1))] = Ran(int(m.group(3)) if m.group(3) is not None else None, m.group(2))
+    return ran
+
+
+@pytest.fixture(scope="module")
+def guide(sandbox_a3, tmp_path_factory):
+    """The guide's sandbox blocks run once, in a fresh working directory, with kimictl's venv first on PATH (as
+    after `source .venv/bin/activate`)."""
+    work = tmp_path_factory.mktemp("operator")
+    # kimictl keeps Ansible's SSH control sockets under KIMICTL_STATE_DIR/<cluster>/runs/<run>/cp, and a socket
+    # path may not pass 107 bytes: pytest's temporary directories are too deep for that (docs/operators.md#t-cp-path)
+    state = tempfile.mkdtemp(prefix="kg-", dir="/tmp")
+    sandbox_a3.env = {"KIMICTL_STATE_DIR": state}
+    env = {**os.environ, **sandbox_a3.env, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run(["bash", "-c", _script(BLOCKS, str(sandbox_a3.dir))], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=2400, check=False)
+    sandbox_a3.work = work
+    sandbox_a3.ran = _split(proc.stdout, len(BLOCKS))
+    sandbox_a3.session = proc.stdout
+    print("guide session, seconds at the end of each block:",
+          " ".join(f"{BLOCKS[int(n)].line}:{t}" for n, t in re.findall(r"^@@guide-end (\d+) \d+ (\d+)$", proc.stdout,
+                                                                       flags=re.M)))
+    yield sandbox_a3
+    # leave the shared sandbox as it was: no engine, proxy or monitoring process, no fault
+    sandbox_a3.fault("clear:all", check=False)
+    if (work / "inventory.yml").exists():
+        kimictl("stop", "-i", str(work / "inventory.yml"), "--yes", env=sandbox_a3.env)
+    for h in sandbox_a3.hosts:
+        sandbox_a3.ssh(h, f"python3 {SD}/bin/supervisor.py stop --all --run-dir {SD}/observe/run")
+    shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.mark.parametrize("n", range(len(BLOCKS)), ids=[b.where for b in BLOCKS])
+def test_guide_block_runs_on_the_sandbox(guide, n: int) -> None:
+    block, ran = BLOCKS[n], guide.ran[n]
+    assert ran.rc is not None, f"{block.where} did not run: an earlier block failed\n{guide.session[-3000:]}"
+    assert ran.rc == block.exit, f"{block.where} exited {ran.rc}, expected {block.exit}:\n{ran.output[-4000:]}"
+    if block.output:
+        missing = doc.missing_lines(block.output.text, ran.output)
+        assert not missing, (f"{block.where}: the output documented at {block.output.where} is not what it printed;"
+                             f" missing:\n" + "\n".join(missing) + f"\n--- output ---\n{ran.output[-4000:]}")
+
+
+def _inventory(guide) -> dict:
+    return yaml.safe_load((guide.work / "inventory.yml").read_text())
+
+
+def test_the_inventory_was_written_from_the_hosts_not_copied(guide) -> None:
+    mine, generated = _inventory(guide), yaml.safe_load(guide.inventory.read_text())
+    assert mine["all"]["vars"]["kimi_cluster"] == "kimi-a3" != generated["all"]["vars"]["kimi_cluster"]
+    for name, host in mine["all"]["hosts"].items():
+        assert host == {"ansible_host": guide.host(name)["ip"], "kimi_hardware": "atlas-800-a3",
+                        "kimi_device_ips": guide.host(name)["device_ips"]}
+    # and the cluster it deployed serves
+    status = kimictl("status", "-i", str(guide.work / "inventory.yml"), "--output", "json", env=guide.env)
+    assert status.returncode == 0 and json.loads(status.stdout)["state"] == "healthy", status.stdout[-2000:]
+
+
+def _guide_inventory(guide) -> str:
+    for ran in guide.ran:
+        assert ran.rc is not None, "the guide's session did not finish"
+    return str(guide.work / "inventory.yml")
+
+
+def _start_failure(guide, inv: str, fault: str, *start: str) -> tuple[dict, str]:
+    """With the cluster stopped: inject a fault, start (which must fail), clear it, stop what started."""
+    guide.fault(fault)
+    try:
+        proc = kimictl("start", "-i", inv, "--yes", "--output", "json", *start, env=guide.env)
+    finally:
+        guide.fault("clear:all")
+        assert kimictl("stop", "-i", inv, "--yes", env=guide.env).returncode == 0
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    return json.loads(proc.stdout)["error"], proc.stderr
+
+
+def test_engines_that_fail_at_start_lead_to_their_rows(guide) -> None:
+    inv = _guide_inventory(guide)
+    assert kimictl("stop", "-i", inv, "--yes", env=guide.env).returncode == 0
+    try:
+        # a taken kv_port: prefill-0's range starts at 36000 on atlas-01 (the guide's plan output shows it)
+        err, tail = _start_failure(guide, inv, "port-taken:atlas-01:36000")
+        assert "prefill-0-dp0 crashed during start-up" in err["message"], err
+        assert err["hint"].endswith("docs/operators.md#t-engine-start")
+        assert "Address already in use (addr='tcp://" in tail        # the log tail, the key of row t-kv-port
+        assert "Address already in use" in doc.row("t-kv-port")
+        assert "[Engine log lines](#engine-log-lines)" in doc.row("t-engine-start")
+        # an engine that hangs while loading
+        err, _ = _start_failure(guide, inv, "engine-hang:atlas-02:decode", "--ready-timeout", "8")
+        assert re.search(r"decode-0-dp\d did not become ready within \d+s", err["message"]), err
+        assert err["hint"].endswith("docs/operators.md#t-readiness")
+        assert "did not become ready within" in doc.row("t-readiness")
+    finally:
+        back = kimictl("start", "-i", inv, "--yes", env=guide.env)
+        assert back.returncode == 0, back.stderr[-3000:]
+
+
+def test_a_link_down_under_a_serving_cluster_leads_to_the_pair_probe_row(guide) -> None:
+    inv = _guide_inventory(guide)
+    guide.fault("link-down:atlas-01:0", "link-down:atlas-01:8")   # one NPU of each prefill engine (0-7, 8-15)
+    try:
+        proc = kimictl("status", "-i", inv, env=guide.env)
+        assert proc.returncode == 3, proc.stdout[-3000:]
+        assert "P/D pair probe: failed - HTTP 500" in proc.stdout and "KV transfer from prefill engine" in proc.stdout
+        assert "hint: docs/operators.md#t-pair-probe" in proc.stdout
+        row = doc.row("t-pair-probe")
+        assert "KV transfer from prefill engine" in row and "(#t-kv-transfer)" in row
+        assert "KV transfer from prefill engine" in doc.row("t-kv-transfer")
+    finally:
+        guide.fault("clear:all")
+    assert kimictl("status", "-i", inv, env=guide.env).returncode == 0
+
+
+def test_a_device_ip_mismatch_leads_to_net_004(guide, tmp_path) -> None:
+    inv = _inventory(guide)
+    ips = inv["all"]["hosts"]["atlas-02"]["kimi_device_ips"]
+    ips[3], ips[4] = ips[4], ips[3]                 # two NPUs swapped: a copy-paste slip
+    path = tmp_path / "swapped.yml"
+    path.write_text(yaml.safe_dump(inv))
+    proc = kimictl("preflight", "-i", str(path), "--topology", "a3-pd", "--output", "json", env=guide.env)
+    assert proc.returncode == 1
+    failed = [r for r in json.loads(proc.stdout)["results"] if r["status"] == "fail" and r["severity"] == "error"]
+    assert [(r["host"], r["id"]) for r in failed] == [("atlas-02", "NET-004")]
+    assert f"NPU 3: host has {ips[4]}, inventory says {ips[3]}" in failed[0]["message"]
+    assert failed[0]["fix"].endswith("docs/operators.md#t-net-004")
+    assert "host has" in doc.row("t-net-004") and "device IP mismatch" in doc.row("t-net-004")
+
