@@ -1,4 +1,7 @@
-"""Print `kimictl preflight` wall time on 2, 8 and 16 sandbox A3 hosts running a3-pd (target: 16 <= 2x of 2).
+"""Print `kimictl preflight` wall time on 2, 8, 16 and 32 sandbox A3 hosts running a3-pd (target: 16 <= 2x of 2).
+
+32 is the sandbox's largest size (kimictl/sandbox/layout.py MAX_HOSTS). Every run must judge the cluster
+correctly: the healthy sandbox fails no error-level check, or the bench stops and names the checks.
 
 Besides wall time it prints where the CPU went, per host and run: on this control node (paramiko, the judge)
 and on the fake hosts (their sshd and everything it started: the probe script, the tool doubles, ping),
@@ -86,6 +89,9 @@ def measure(n: int, topology: str, runs: int) -> dict:
                 time.sleep(0.2)   # let each sshd reap its session before reading its children's CPU
                 hosts.append(_tree_cpu(sshds) - h0)
             assert report is not None
+            if report.failed_errors:
+                sys.exit(f"preflight on {n} healthy hosts failed: "
+                         + "; ".join(f"{r.id} {r.host}: {r.message}" for r in report.failed_errors[:5]))
             return {"wall": statistics.median(times), "checks": len(report.results),
                     "errors": len(report.failed_errors), "ctl_ms": statistics.median(ctl) / n * 1000,
                     "host_ms": statistics.median(hosts) / n * 1000 if sshds else float("nan")}
@@ -95,7 +101,7 @@ def measure(n: int, topology: str, runs: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hosts", type=int, nargs="+", default=[2, 8, 16])
+    ap.add_argument("--hosts", type=int, nargs="+", default=[2, 8, 16, 32])
     ap.add_argument("--topology", default="a3-pd")
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()

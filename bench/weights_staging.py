@@ -1,19 +1,23 @@
-"""Stage a generated checkpoint to N sandbox hosts three ways and print each against the physical limit.
+"""Stage a generated checkpoint to N sandbox hosts and print the time against the physical limit and against
+plain rsync through the same links, measured in the same run.
 
 Every host link is shaped by tc (the sandbox's slow-link fault: both directions of the host's veth) and the
 fake hub's egress by its server-wide token bucket, both at --rate. Ways:
   naive    every host pulls the whole checkpoint from the hub with the real client, all at once
-  kimictl  `kimictl weights pull`: disjoint shares from the hub (the next file to whichever host's hub pull is
-           free), and a peer-to-peer all-gather meanwhile
+  kimictl  `kimictl weights pull`: the hub sends each file once, the hosts pass them on (schedule.py)
+  plain    after the pull, every host rsyncs the same bytes from its neighbour over SSH, all at once, through
+           the same shaped links (no hub, no hashing, no Python): what this machine can do at best, since all
+           simulated hosts share its cores
   limit    max(S / B_hub, S / B_link): the hub must send S once, and each host must receive S
 Also: where the pull's time went (from its timeline, runs/<stamp>-weights/timeline.jsonl) and how busy this
-machine's CPUs were meanwhile (all simulated hosts share them); verify throughput against cores x the
-single-core sha256 rate measured here, and what stamps save.
+machine's CPUs were meanwhile; verify throughput against cores x the single-core sha256 rate measured here,
+and what stamps save.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -24,13 +28,18 @@ import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from kimictl.remote.weights_agent import FAST_CIPHERS
 from kimictl.sandbox.cluster import Sandbox
 
 NAIVE_DIR = "/var/lib/kimi/naive"
+PLAIN_DIR = "/var/lib/kimi/plain"
+MODEL_DIR = "/var/lib/kimi/models/Kimi-K2.5-W4A8"
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def kimictl(env: dict, *args: str) -> tuple[float, dict]:
@@ -92,7 +101,33 @@ def phases(state: Path, launched: float) -> dict[str, float]:
     return {k: v - launched for k, v in at.items()}
 
 
-def run(n: int, size_mib: int, files: int, rate_mbit: int, skip_naive: bool) -> None:
+@dataclass
+class Shaped:
+    """A sandbox whose hub and host links are shaped to one rate, with a generated checkpoint on its hub."""
+
+    dir: Path
+    sb: Sandbox
+    hosts: list[str]
+    inv: dict
+    env: dict
+    files: list[dict]   # the checkpoint's manifest: path, size, sha256
+    rate_bps: float     # bytes/s, hub and every link
+
+    @property
+    def size(self) -> int:
+        return sum(f["size"] for f in self.files)
+
+    def ssh(self, host: str, command: str) -> subprocess.CompletedProcess:
+        return ssh(self.dir, host, command)
+
+    def peer_ssh(self, host: str) -> str:
+        """The ssh command one host uses to reach another, own connection (never the control node's master)."""
+        return (f"ssh -F {self.dir}/ssh_config -o ControlMaster=auto -o ControlPath=/tmp/kbench-{host}-%C "
+                f"-o ControlPersist=30 {' '.join(FAST_CIPHERS)}")
+
+
+@contextlib.contextmanager
+def shaped(n: int, size_mib: int, files: int, rate_mbit: int):
     with tempfile.TemporaryDirectory(prefix="kimictl-bench-", dir="/var/tmp") as tmp:
         d = Path(tmp) / "sb"
         env = {**os.environ, "KIMICTL_STATE_DIR": str(Path(tmp) / "state")}
@@ -102,26 +137,91 @@ def run(n: int, size_mib: int, files: int, rate_mbit: int, skip_naive: bool) -> 
             hosts = [h.name for h in sb.load().hosts]
             inv = yaml.safe_load((d / "inventory.yml").read_text())
             hub = inv["all"]["vars"]["kimi_model_endpoint"]
-            size = sum(f["size"] for f in json.loads((d / "checkpoint.json").read_text())["files"])
-            nfiles = len(json.loads((d / "checkpoint.json").read_text())["files"])
             for h in hosts:
                 sb.apply(sb.parse(f"slow-link:{h}:{rate_mbit}mbit"))
             req = urllib.request.Request(f"{hub}/_admin/rate", data=json.dumps({"rate": f"{rate_mbit}Mbit/s"})
                                          .encode(), method="POST")
             urllib.request.urlopen(req, timeout=10).read()
-            b_hub = b_link = rate_mbit * 1e6 / 8
-            limit = max(size / b_hub, size / b_link)
-            t_naive = None if skip_naive else naive(d, hosts, inv)
-            launched, cpu0 = time.time(), cpu_jiffies()
-            t_kimi, doc = kimictl(env, "weights", "pull", "-i", str(d / "inventory.yml"))
-            cpu1, load = cpu_jiffies(), os.getloadavg()[0]
-            at = phases(Path(tmp) / "state", launched)
-            assert doc["ok"], doc
-            hub_share = sum(h["received"].get("hub", 0) for h in doc["hosts"])
-            t_full, full = kimictl(env, "weights", "verify", "-i", str(d / "inventory.yml"), "--full")
-            t_stamp, _ = kimictl(env, "weights", "verify", "-i", str(d / "inventory.yml"))
+            yield Shaped(d, sb, hosts, inv, env, json.loads((d / "checkpoint.json").read_text())["files"],
+                         rate_mbit * 1e6 / 8)
         finally:
             sb.down()
+
+
+CGROUP = Path(f"/sys/fs/cgroup/cpuacct/kimictl-bench-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def own_cpu_account():
+    """Count the CPU of this process and everything it starts (the sandbox's hosts, hub, kimictl, Ansible) in
+    a cpuacct cgroup of its own, so other work on the machine does not count; busy_cpu_s() reads it. Without
+    cgroup v1 cpuacct it reads the whole machine's busy time instead."""
+    root = CGROUP.parent
+    try:
+        CGROUP.mkdir()
+        (CGROUP / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        (root / "cgroup.procs").write_text(str(os.getpid()))
+        for _ in range(50):   # the sandbox's processes are gone once it is down; a straggler may take a moment
+            try:
+                CGROUP.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds spent so far: by this process and what it started (own_cpu_account), or by the machine."""
+    try:
+        return int((CGROUP / "cpuacct.usage").read_text()) / 1e9
+    except OSError:
+        return cpu_jiffies()[0] / TICK
+
+
+def plain_rsync(c: Shaped) -> tuple[float, float]:
+    """Every host rsyncs the checkpoint from its neighbour at once (after a pull, each holds it): (seconds, CPU-s)."""
+    def one(i: int) -> subprocess.CompletedProcess:
+        h, src = c.hosts[i], c.hosts[i - 1]
+        return c.ssh(h, f"rm -rf {PLAIN_DIR} && rsync -a --exclude='.kimi*' -e {shlex.quote(c.peer_ssh(h))} "
+                        f"{src}:{MODEL_DIR}/ {PLAIN_DIR}/")
+
+    cpu0, t0 = busy_cpu_s(), time.monotonic()
+    with ThreadPoolExecutor(len(c.hosts)) as pool:
+        res = list(pool.map(one, range(len(c.hosts))))
+    took, cpu = time.monotonic() - t0, busy_cpu_s() - cpu0
+    for h, r in zip(c.hosts, res, strict=True):
+        if r.returncode != 0:
+            sys.exit(f"plain rsync into {h} failed:\n{r.stdout[-1000:]}{r.stderr[-2000:]}")
+        c.ssh(h, f"rm -rf {PLAIN_DIR}")
+    return took, cpu
+
+
+def pull(c: Shaped) -> tuple[float, dict, dict[str, float], float]:
+    """`kimictl weights pull`: (seconds, its JSON, phases from its timeline, machine CPU-s meanwhile)."""
+    launched, cpu0 = time.time(), busy_cpu_s()
+    took, doc = kimictl(c.env, "weights", "pull", "-i", str(c.dir / "inventory.yml"))
+    cpu = busy_cpu_s() - cpu0
+    assert doc["ok"], doc
+    return took, doc, phases(Path(c.env["KIMICTL_STATE_DIR"]), launched), cpu
+
+
+def run(n: int, size_mib: int, files: int, rate_mbit: int, skip_naive: bool) -> None:
+    with own_cpu_account(), shaped(n, size_mib, files, rate_mbit) as c:
+        size, nfiles = c.size, len(c.files)
+        limit = max(size / c.rate_bps, size / c.rate_bps)
+        t_naive = None if skip_naive else naive(c.dir, c.hosts, c.inv)
+        load0 = os.getloadavg()[0]
+        t_kimi, doc, at, cpu = pull(c)
+        load = os.getloadavg()[0]
+        hub_share = sum(h["received"].get("hub", 0) for h in doc["hosts"])
+        t_plain, cpu_plain = plain_rsync(c)
+        t_full, full = kimictl(c.env, "weights", "verify", "-i", str(c.dir / "inventory.yml"), "--full")
+        t_stamp, _ = kimictl(c.env, "weights", "verify", "-i", str(c.dir / "inventory.yml"))
     per_host = max(h["seconds"] for h in full["hosts"])
     read = sum(h["bytes_read"] for h in full["hosts"])
     cores = os.cpu_count() or 1
@@ -130,13 +230,16 @@ def run(n: int, size_mib: int, files: int, rate_mbit: int, skip_naive: bool) -> 
     print(f"physical limit max(S/B_hub, S/B_link): {limit:7.1f} s")
     if t_naive is not None:
         print(f"naive (every host pulls all):          {t_naive:7.1f} s  ratio {t_naive / limit:.2f}")
-    print(f"kimictl weights pull (sharded):        {t_kimi:7.1f} s  ratio {t_kimi / limit:.2f}  (target <= 1.2)")
+    print(f"kimictl weights pull (sharded):        {t_kimi:7.1f} s  ratio {t_kimi / limit:.2f}")
+    print(f"plain rsync, each host from a neighbour: {t_plain:5.1f} s  ratio {t_plain / limit:.2f}  "
+          f"({cpu_plain:.0f} CPU-s; the pull took {cpu:.0f} CPU-s)")
+    print(f"kimictl / plain rsync: {t_kimi / t_plain:.2f}  (target <= 1.3)")
     print(f"  hub sent {hub_share / 2**20:.0f} MiB to hosts (1x the checkpoint); the rest went peer to peer")
     print(f"  timeline: hub under way {at['hub start']:.1f} s, peer key in place {at['peers ready']:.1f} s, hub done "
-          f"{at['hub done']:.1f} s (hub busy {size / b_hub / (at['hub done'] - at['hub start']):.0%}), last host "
-          f"complete {at['complete']:.1f} s")
-    busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
-    print(f"  this machine's {os.cpu_count()} cores were {busy:.0%} busy during the pull (1-min load {load:.1f})")
+          f"{at['hub done']:.1f} s (hub busy {size / c.rate_bps / (at['hub done'] - at['hub start']):.0%}), last "
+          f"host complete {at['complete']:.1f} s")
+    print(f"  the pull kept this machine's {cores} cores {cpu / cores / t_kimi:.0%} busy (1-min load "
+          f"{load0:.1f} before, {load:.1f} after)")
     print(f"verify --full: {read / 2**20:.0f} MiB on {n} hosts at once, {t_full:.1f} s wall; hashing took "
           f"{per_host:.2f} s on the slowest host = {read / per_host / 2**20:.0f} MiB/s in aggregate, against this "
           f"machine's {cores} cores x {one / 2**20:.0f} MiB/s single-core sha256 = {cores * one / 2**20:.0f} MiB/s")

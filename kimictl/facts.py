@@ -88,6 +88,7 @@ class ModelFacts(Strict):
     vision: VisionConfig
     quant: QuantBytes
     scale_bytes_per_channel: int
+    checkpoint_shards: int = 1   # weight files the checkpoint is cut into (the weights fleet bench)
     kv_cache_dtype_bytes: int
     runtime_reserve_mib: int
     hccl_buffers: int

@@ -136,7 +136,8 @@ def pull(
     = "sharded",
     source_dir: Annotated[Path | None, typer.Option("--from", help="A copy of the checkpoint on this machine.")]
     = None,
-    streams: Annotated[int, typer.Option("--streams", help="Concurrent transfers per host, each way.")] = 4,
+    streams: Annotated[int, typer.Option("--streams", help="Concurrent peer transfers per host, each way (a hub "
+                                         "pull comes on top).")] = 4,
     full: Annotated[bool, typer.Option("--full", help="Re-hash files already verified (ignore stamps).")] = False,
     token_file: TokenFileOpt = None,
     limit: LimitOpt = None,

@@ -155,6 +155,7 @@ LOCK = ".kimi-lock"
 KEY_TTL_S = 3600
 KEY_RENEW_S = 600
 BLOCK = 8 << 20
+FOLLOW_MIN = 16 << 20   # files at least this big that come alone from a peer are hashed while they arrive
 PROGRESS_EVERY_S = 0.5
 # AES-GCM runs on AES-NI / ARMv8 crypto at several GB/s; chacha20 is the fallback for CPUs without them
 FAST_CIPHERS = ["-o", "Ciphers=aes128-gcm@openssh.com,chacha20-poly1305@openssh.com,aes128-ctr"]
@@ -181,9 +182,13 @@ def try_lock(path: Path, holder: dict, mode: int = 0o644) -> tuple[int | None, d
     return fd, record
 
 
-def file_digest(path: Path, algo: str) -> str:
+def new_hash(algo: str, size: int):
     """sha256, or the git blob sha1 ("blob <size>\\0" + bytes) that HF lists for small non-LFS files."""
-    h = hashlib.sha256() if algo == "sha256" else hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    return hashlib.sha256() if algo == "sha256" else hashlib.sha1(b"blob %d\0" % size)
+
+
+def file_digest(path: Path, algo: str) -> str:
+    h = new_hash(algo, path.stat().st_size)
     with open(path, "rb", buffering=0) as f:
         buf = bytearray(BLOCK)
         view = memoryview(buf)
@@ -283,6 +288,10 @@ class Agent:
                 return
         if op.get("pull") and not self._lock(op.get("holder") or {}):
             return
+        if op.get("pull"):   # an agent that died mid-write (its control node was killed) left its temp file
+            for name in (STAMPS, MARKER):
+                for stale in self.dir.glob(f".{name}.tmp*"):
+                    stale.unlink(missing_ok=True)
         peer_key = self._stale_peer_key(op)
         if op.get("pull") and op.get("key_comment"):
             threading.Thread(target=self._renew_peer_key, args=(op["key_comment"],), daemon=True).start()
@@ -351,15 +360,19 @@ class Agent:
             return {}
 
     # --- landing a file -------------------------------------------------------------------------------
-    def _install(self, path: str, tmp: Path, via: str, t0: float) -> None:
-        """Hash the landed file; rename it into place only when it matches."""
+    def _install(self, path: str, tmp: Path, via: str, t0: float, hashed: _Follow | None = None) -> None:
+        """Hash the landed file (or take what `hashed` read of it while it arrived); rename it into place only
+        when it matches."""
+        self.emit(ev="received", path=path)   # its bytes are in: the control node may start the next transfer
         entry = self.manifest[path]
         algo, want = expected(entry)
         size = tmp.stat().st_size if tmp.exists() else -1
         if size != entry["size"]:
             tmp.unlink(missing_ok=True)
             raise RuntimeError(f"size {size} != {entry['size']}")
-        got = file_digest(tmp, algo)
+        got = hashed.digest_of(tmp) if hashed else None
+        if got is None:
+            got = file_digest(tmp, algo)
         if got != want:
             tmp.unlink(missing_ok=True)
             raise RuntimeError(f"{algo} mismatch: got {got[:16]}..., manifest says {want[:16]}...")
@@ -453,15 +466,20 @@ class Agent:
         root = self.stage / "peer"
         root.mkdir(parents=True, exist_ok=True)
         cmd = peer_fetch_command(op, root)
+        entry = self.manifest[paths[0]]
+        follow = _Follow(root / paths[0], entry["size"], expected(entry)[0]) \
+            if len(paths) == 1 and entry["size"] >= FOLLOW_MIN else None
         try:
             rc, tail = run_rsync(cmd, lambda p, n: self.emit(ev="progress", path=p, bytes=n), self.children, paths)
         except OSError as exc:
             rc, tail = -1, str(exc)
+        if follow:
+            follow.stop()
         for path in paths:   # what arrived whole is kept even when the stream broke later
             dest = root / path
             if rc == 0 or (dest.exists() and dest.stat().st_size == self.manifest[path]["size"]):
                 self._guard(path, peer["name"], lambda t, path=path, dest=dest: self._install(path, dest,
-                                                                                            peer["name"], t0))
+                                                                                            peer["name"], t0, follow))
             else:
                 self.emit(ev="fail", path=path, via=peer["name"], error=f"rsync from {peer['name']} exited {rc}: "
                                                                          f"{tail}")
@@ -529,6 +547,81 @@ def peer_fetch_command(op: dict, root: Path) -> list[str]:
     sources = [f"{peer['user']}@{addr}:{paths[0]}", *(f":{p}" for p in paths[1:])]
     return ["rsync", "-R", "--partial", "--partial-dir=.kimi-partial", "--progress",
             f"--timeout={PEER_RSYNC_TIMEOUT}", "-e", ssh, *sources, f"{root}/"]
+
+
+class _Follow:
+    """Hash a file while rsync writes it, so it need not be read again once it is in.
+
+    rsync's receiver writes a new file front to back into a temp file next to the destination
+    (.<name>.XXXXXX) and renames it at the end: the bytes are hashed as they land. The digest counts only when
+    the file that ends up at the destination is the very inode that was read, and whole; otherwise the file is
+    hashed after all.
+    """
+
+    def __init__(self, dest: Path, size: int, algo: str):
+        self.dest, self.size, self.algo = dest, size, algo
+        self.ended = threading.Event()
+        self.digest: str | None = None
+        self.ino: int | None = None
+        self.since = time.time()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _temp(self):
+        """rsync's temp file for dest, once it is there (made since we started)."""
+        name = self.dest.name
+        try:
+            for c in self.dest.parent.iterdir():
+                n = c.name
+                if n.startswith(f".{name}.") and len(n) == len(name) + 8:
+                    f = open(c, "rb")   # noqa: SIM115 (closed by _run)
+                    st = os.fstat(f.fileno())
+                    if st.st_mtime >= self.since - 1:
+                        return f, st.st_ino
+                    f.close()
+        except OSError:
+            pass
+        return None, None
+
+    def _run(self) -> None:
+        f, ino = self._temp()
+        while f is None:
+            if self.ended.wait(0.05):
+                return
+            f, ino = self._temp()
+        h, got = new_hash(self.algo, self.size), 0
+        buf = bytearray(BLOCK)
+        view = memoryview(buf)
+        with f:
+            while got < self.size:
+                n = f.readinto(buf)
+                if n:
+                    h.update(view[:n])
+                    got += n
+                elif self.ended.is_set():
+                    if not f.readinto(buf):   # what was written before rsync ended is all there is
+                        break
+                    f.seek(got)
+                else:
+                    time.sleep(0.02)
+        if got == self.size:
+            self.ino, self.digest = ino, h.hexdigest()
+
+    def stop(self) -> None:
+        """rsync has ended: read what is left."""
+        self.ended.set()
+        self.thread.join()
+
+    def digest_of(self, path: Path) -> str | None:
+        """The digest of path, if it is the file that was followed; then make it durable, as file_digest does."""
+        try:
+            with open(path, "rb") as f:
+                if self.digest is None or os.fstat(f.fileno()).st_ino != self.ino:
+                    return None
+                os.fsync(f.fileno())
+        except OSError:
+            return None
+        return self.digest
 
 
 class _Watch:

@@ -33,17 +33,15 @@ from kimictl.inventory import Inventory
 from kimictl.remote import weights_agent as agent_mod
 from kimictl.ssh import Session, Sessions, SSHError, Target, ansible_host_key_args, target_for
 from kimictl.state import control_dir
+from kimictl.weights.schedule import CONTROL, DEFAULT_STREAMS, HUB, Schedule
 
 AGENT_SRC = Path(agent_mod.__file__)
 # The hub clients' own tqdm bars would tear through ours; tqdm reads this once, when it is imported.
 os.environ.setdefault("TQDM_DISABLE", "1")
 MODES = ("sharded", "control", "shared")
-DEFAULT_STREAMS = 4
 MAX_TRIES = 3
 STALL_S = 180.0
-BATCH_BYTES = 32 << 20   # small files share one rsync stream; big ones (real shards are GBs) go alone
 TIMELINE_PROGRESS_S = 2.0   # a file's progress goes into the run's timeline at most this often (runs last hours)
-HUB_STREAMS = 1   # per host; two made files complete in bursts and lengthened the tail (bench/weights_staging.py)
 TOKEN_ENV = {"modelscope": ("MODELSCOPE_API_TOKEN",), "huggingface": ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
 
 
@@ -482,26 +480,17 @@ class Stager:
 
     # --- the all-gather --------------------------------------------------------------------------------
     def _gather(self, states: dict[str, dict]) -> None:
+        """Carry out what the scheduler (schedule.py) decides, feeding it what the agents report."""
         hosts = list(states)
-        have = {h: set(st["have"]) for h, st in states.items()}
-        holders: dict[str, set[str]] = {p: {h for h in hosts if p in have[h]} for p in self.order}
         control = self.opts.mode == "control"
-        if control:
-            for p in self.order:
-                holders[p].add("@control")
-        missing_everywhere = [p for p in self.order if not holders[p]]
-        hubq = HubQueue([] if control else missing_everywhere, self.size)
-        recv: dict[str, dict[str, str]] = {h: {} for h in hosts}       # host -> path -> source in flight
-        sends: dict[str, int] = {h: 0 for h in [*hosts, "@control"]}   # streams out of each holder
-        streams_in: dict[str, int] = {h: 0 for h in hosts}
-        batch: dict[tuple[str, str], list[str]] = {}   # (host, path) -> the paths that share its stream
-        tries: dict[tuple[str, str], int] = {}
-        avoid: dict[tuple[str, str], set[str]] = {}
+        sched = Schedule(self.size, {h: st["have"] for h, st in states.items()}, streams=self.opts.streams,
+                         control=control)
+        missing_everywhere = [p for p in self.order if not any(p in st["have"] for st in states.values())]
         inflight_bytes: dict[tuple[str, str], int] = {}
         marked: dict[tuple[str, str], float] = {}   # (host, path) -> when its progress went into the timeline
-        done_bytes = {h: sum(self.size[p] for p in have[h]) for h in hosts}
+        done_bytes = {h: sum(self.size[p] for p in st["have"]) for h, st in states.items()}
         completed = {h for h, st in states.items() if st["complete"]}   # left untouched
-        finishing = set(completed)
+        failed: set[str] = set()
         peers_ready = False
         self.r.start({h: self.m.total_bytes for h in hosts})
         for h in hosts:
@@ -511,85 +500,43 @@ class Stager:
         if len(hosts) > 1:
             self._prepare_async()
 
-        def slots(h: str) -> int:
-            return self.opts.streams - streams_in[h] - len(hubq.pulling(h))
-
-        def wanted(h: str, p: str) -> bool:
-            return p not in have[h] and p not in recv[h] and p not in hubq.pulling(h)
-
-        def landed(h: str, p: str) -> str | None:
-            """p left host h's stream (done or failed); the stream's slots free up with its last file."""
-            src = recv[h].pop(p, None)
-            group = batch.pop((h, p), [p])
-            group.remove(p)
-            if src and not group:
-                sends[src] -= 1
-                streams_in[h] -= 1
-            return src
-
         def dispatch() -> None:
-            for h in sorted(hosts, key=lambda x: streams_in[x]):   # the hub first: the one source of new bytes
-                while (took := hubq.take(h)) is not None:
-                    self._hub(h, [took[0]], took[1])
-            for h in sorted(hosts, key=lambda x: len(have[x])):
-                while slots(h) > 0:
-                    best = None
-                    for p in self.order:
-                        if not wanted(h, p):
-                            continue
-                        srcs = [s for s in holders[p] if sends[s] < self.opts.streams
-                                and (peers_ready or s == "@control") and s not in avoid.get((h, p), ())]
-                        if not srcs:
-                            continue
-                        rank = (len(holders[p]), min(sends[s] for s in srcs))
-                        if best is None or rank < best[0]:
-                            best = (rank, p, min(srcs, key=lambda s: (s == "@control", sends[s])))
-                    if best is None:
-                        break
-                    _, p, src = best
-                    group = [p]
-                    if src != "@control":   # more of what this holder has, up to BATCH_BYTES, in the same stream
-                        more = sorted((q for q in self.order if q != p and wanted(h, q) and src in holders[q]),
-                                      key=lambda q: len(holders[q]))
-                        for q in more:
-                            if sum(self.size[x] for x in group) + self.size[q] > BATCH_BYTES:
-                                break
-                            group.append(q)
-                    for q in group:
-                        recv[h][q] = src
-                        batch[(h, q)] = group
-                    sends[src] += 1
-                    streams_in[h] += 1
-                    self._mark("fetch", h, src=src, paths=list(group))
-                    if src == "@control":
-                        threading.Thread(target=self._push, args=(h, p), daemon=True).start()
-                    else:
-                        kd = f"{self.state_dir[h]}/weights"
-                        self.links[h].send({"op": "fetch", "paths": group, "peer": _peer(self.targets[src]),
-                                            "key": f"{kd}/peer_key", "known_hosts": f"{kd}/known_hosts"})
-                if not recv[h] and not hubq.pulling(h) and len(have[h]) == len(self.order) \
-                        and h not in finishing:
-                    finishing.add(h)
+            for t in sched.next():
+                if t.src == HUB:
+                    self._hub(t.dest, list(t.paths), t.lane)
+                    continue
+                self._mark("fetch", t.dest, src=t.src, paths=list(t.paths))
+                if t.src == CONTROL:
+                    threading.Thread(target=self._push, args=(t.dest, t.paths[0]), daemon=True).start()
+                else:
+                    kd = f"{self.state_dir[t.dest]}/weights"
+                    self.links[t.dest].send({"op": "fetch", "paths": list(t.paths), "peer": _peer(self.targets[t.src]),
+                                             "key": f"{kd}/peer_key", "known_hosts": f"{kd}/known_hosts"})
+            for h in sched.finishing():
+                if h not in completed:
                     self.links[h].send({"op": "finish"})
 
         dispatch()
-        while len(completed) < len(hosts):
+        while len(completed | failed) < len(hosts):
             host, ev = self._next(STALL_S)
             kind = ev["ev"]
+            if host in failed:
+                continue
             if kind == "progress":
                 inflight_bytes[(host, ev["path"])] = int(ev["bytes"])
                 if time.monotonic() - marked.get((host, ev["path"]), 0.0) >= TIMELINE_PROGRESS_S:
                     marked[(host, ev["path"])] = time.monotonic()
                     self._mark("progress", host, path=ev["path"], bytes=int(ev["bytes"]))
                 self.r.progress(host, done_bytes[host] + sum(v for (h, _), v in inflight_bytes.items() if h == host))
+                if sched.progress(host, ev["path"], int(ev["bytes"])):
+                    dispatch()
                 continue
-            if kind == "done":
+            if kind == "received":
+                sched.received(host, ev["path"])
+            elif kind == "done":
                 p = ev["path"]
                 self._mark("done", host, path=p, via=ev["via"], bytes=self.size[p])
-                have[host].add(p)
-                holders[p].add(host)
-                landed(host, p)
-                hubq.landed(host, p)
+                sched.landed(host, p)
                 inflight_bytes.pop((host, p), None)
                 done_bytes[host] += self.size[p]
                 via = ev["via"]
@@ -598,19 +545,14 @@ class Stager:
             elif kind == "fail":
                 p = ev["path"]
                 inflight_bytes.pop((host, p), None)
-                n = tries[(host, p)] = tries.get((host, p), 0) + 1
-                src = landed(host, p)
-                if src:
-                    avoid.setdefault((host, p), set()).add(src)
-                    if len(avoid[(host, p)]) >= len(holders[p]):
-                        avoid[(host, p)] = set()   # every source failed once: try them again
+                n = sched.failed(host, p)
+                if not n:   # its source failed and was given up on already
+                    continue
                 self.r.say(f"weights: {host}: {p} from {ev['via']} failed (try {n}/{MAX_TRIES}): "
                            f"{ev['error'][-300:]}")
                 if n >= MAX_TRIES:
                     raise HostError(f"{p} could not be staged after {n} tries: {ev['error'][-500:]}", host=host,
                                     step=f"weights from {ev['via']}")
-                if ev["via"] == "hub" and p in hubq.pulling(host):
-                    self._hub(host, [p], hubq.pulling(host)[p])   # the same host tries it again
             elif kind == "complete":
                 self._mark("complete", host)
                 completed.add(host)
@@ -618,13 +560,29 @@ class Stager:
             elif kind == "prepared":
                 self._mark("prepared")
                 peers_ready = True
+                sched.peers_ready()
             elif kind == "prepare-failed":
                 raise ev["exc"]
-            elif kind in ("error", "eof", "locked"):
+            elif kind == "locked":
                 self._abort_on(host, ev, "transfer")
+            elif kind in ("error", "eof"):
+                self._host_failed(host, ev)
+                failed.add(host)
+                sched.host_failed(host)
             dispatch()
-        if self.prepared:
+        if self.prepared and not failed:
             self._agents_cleanup(peers_ready)
+
+    def _host_failed(self, host: str, ev: dict) -> None:
+        """A host's agent died or gave up mid-run: the others go on without it; its report says why."""
+        link = self.links.get(host)
+        msg = ev.get("message") or f"the weights agent exited (rc {ev.get('rc')})"
+        tail = link.stderr[-5:] if link else []
+        self._mark("failed", host, message=msg)
+        rep = self.reports[host]
+        rep.state = "failed"
+        rep.error = f"weights transfer: {msg}" + (f"; agent log: {' | '.join(tail)}" if tail else "")
+        self.r.say(f"weights: {host} failed ({msg}); its files go to the others from elsewhere")
 
     def _agents_cleanup(self, prepared: bool) -> None:
         """Each agent takes the run's key off its host (after the prepare run ended, so nothing comes back)."""
@@ -679,36 +637,6 @@ class Stager:
                 self._completed(host)
             elif ev["ev"] in ("error", "eof"):
                 self._abort_on(host, ev, "finish")
-
-
-class HubQueue:
-    """Hub files not handed out yet, largest first; a host takes the next one whenever a hub pull of its own is free.
-
-    No share is fixed up front: a host whose hub stream is slowed by its own incoming peer streams (or that drew
-    the bigger files) would otherwise keep the hub busy with its last files alone, far below the hub's rate,
-    while the others idle on it. Each file still leaves the hub once; the small files come last and fill the gaps.
-    """
-
-    def __init__(self, paths: list[str], size: dict[str, int], per_host: int = HUB_STREAMS):
-        self.todo = sorted(paths, key=lambda p: -size[p])   # stable: manifest order among equal sizes
-        self.per_host = per_host
-        self.busy: dict[str, dict[str, int]] = {}   # host -> path -> lane (its own download area)
-
-    def take(self, host: str) -> tuple[str, int] | None:
-        """The next file for host and the lane to pull it on, or None (queue empty, or its pulls are busy)."""
-        lanes = self.busy.setdefault(host, {})
-        if not self.todo or len(lanes) >= self.per_host:
-            return None
-        lane = min(set(range(self.per_host)) - set(lanes.values()))
-        path = self.todo.pop(0)
-        lanes[path] = lane
-        return path, lane
-
-    def pulling(self, host: str) -> dict[str, int]:
-        return self.busy.get(host, {})
-
-    def landed(self, host: str, path: str) -> None:
-        self.busy.get(host, {}).pop(path, None)
 
 
 # --- entry points ------------------------------------------------------------------------------------------

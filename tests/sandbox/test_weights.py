@@ -169,6 +169,58 @@ def test_killed_pull_resumes_without_resending_finished_files(sb):
         assert host_files(sb, h) == expected(sb)
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def test_a_host_whose_agent_dies_ends_failed_and_the_others_finish(sb):
+    wipe(sb)
+    hub(sb, "/_admin/rate", {"rate": "3MB/s"})
+    victim = sb.hosts[1]
+    proc = subprocess.Popen([sys.executable, "-m", "kimictl", "weights", "pull", "-i", str(sb.inventory), "-o",
+                             "json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        agent = None
+        deadline = time.monotonic() + 120
+        while agent is None and time.monotonic() < deadline:   # the victim's agent, under its sshd
+            for pid in _descendants(sb.host(victim)["launcher_pid"]):
+                try:
+                    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if any(b"kimi_weights_agent" in a for a in args) and b"serve" in args:
+                    agent = pid
+            time.sleep(0.5)
+        assert agent, "no agent on the victim"
+        while not host_files(sb, sb.hosts[0]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        os.kill(agent, signal.SIGKILL)
+    finally:
+        hub(sb, "/_admin/rate", {"rate": None})
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, err
+    doc = json.loads(out)
+    states = {h["host"]: h for h in doc["hosts"]}
+    assert states[victim]["state"] == "failed" and "weights transfer" in states[victim]["error"]
+    for h in sb.hosts:
+        if h != victim:
+            assert states[h]["state"] == "complete", states[h]
+            assert host_files(sb, h) == expected(sb)
+    again = pull(sb)   # the next pull brings the victim up to date
+    assert again.returncode == 0, again.stderr
+    assert host_files(sb, victim) == expected(sb)
+
+
 def test_concurrent_pulls_are_refused_with_the_holder(sb):
     wipe(sb)
     hub(sb, "/_admin/rate", {"rate": "2MB/s"})

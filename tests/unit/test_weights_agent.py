@@ -15,7 +15,7 @@ from kimictl.remote import weights_agent as agent_mod
 from kimictl.remote.weights_agent import Agent, file_digest, parse_peer_command, rsync_serve, unsafe_name
 from kimictl.sandbox.checkpoint import checkpoint_manifest, generate_checkpoint
 from kimictl.weights.manifest import local_manifest, unsafe_reason
-from kimictl.weights.stage import HubQueue, agent_command, read_token
+from kimictl.weights.stage import agent_command, read_token
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +110,10 @@ def test_adopt_installs_only_matching_bytes_and_finish_writes_marker_last(tmp_pa
     evs = t.events()
     fails = [e for e in evs if e["ev"] == "fail"]
     assert [e["path"] for e in fails] == [victim] and "mismatch" in fails[0]["error"]
+    # each file says its bytes are in before it is hashed: the control node starts the next transfer meanwhile
+    for f in manifest["files"]:
+        assert [e["ev"] for e in evs if e.get("path") == f["path"]] == \
+            ["received", "fail" if f["path"] == victim else "done"]
     assert not (push / victim).exists() and not (tmp_path / "m" / victim).exists()
     assert not (tmp_path / "m" / agent_mod.MARKER).exists()
     shutil.copyfile(ckpt / victim, push / victim)
@@ -288,40 +292,6 @@ def test_stale_peer_key_is_removed_and_reported_unless_a_pull_holds_it(tmp_path,
     assert ev["peer_key"]["state"] == "removed" and comment not in keys.read_text()
 
 
-def test_hub_queue_keeps_every_host_pulling_until_no_file_is_left():
-    """No share is fixed up front: whichever host's hub pull lands first takes the next file (largest first), so a
-    slow host never leaves the hub serving only its own remaining files; each file is handed out exactly once."""
-    size = {f"f{i}": s for i, s in enumerate([10, 100, 10, 90, 1, 80, 5, 70])}
-    q = HubQueue(list(size), size)
-    first = {h: q.take(h) for h in ("a", "b", "c")}
-    assert first == {"a": ("f1", 0), "b": ("f3", 0), "c": ("f5", 0)}
-    assert q.take("a") is None   # one hub pull per host at a time (HUB_STREAMS)
-    handed = [p for p, _ in first.values()]
-    q.landed("b", "f3")   # b is fast: it takes the next files while a and c are still on their first
-    for _ in range(3):
-        took = q.take("b")
-        assert took is not None and q.pulling("b") == {took[0]: 0}
-        handed.append(took[0])
-        q.landed("b", took[0])
-    assert handed[3:] == ["f7", "f0", "f2"]   # largest first; equal sizes in manifest order
-    assert q.pulling("a") == {"f1": 0} and q.pulling("c") == {"f5": 0}
-    q.landed("a", "f1")
-    handed.append(q.take("a")[0])
-    assert handed[-1] == "f6" and q.take("c") is None   # c still pulls f5
-    q.landed("c", "f5")
-    handed.append(q.take("c")[0])
-    assert q.take("b") is None and q.take("c") is None   # nothing left to hand out
-    assert sorted(handed) == sorted(size) and len(handed) == len(set(handed))
-
-
-def test_hub_queue_lanes_never_share_a_download_area():
-    size = {"x": 3, "y": 2, "z": 1}
-    q = HubQueue(list(size), size, per_host=2)
-    assert [q.take("a"), q.take("a"), q.take("a")] == [("x", 0), ("y", 1), None]
-    q.landed("a", "x")
-    assert q.take("a") == ("z", 0)   # the lane x freed, not one y still downloads into
-
-
 def test_agent_boots_from_stdin_without_being_installed(tmp_path, ckpt, manifest, host_python):
     import subprocess
 
@@ -385,3 +355,73 @@ def test_forced_command_serves_before_the_agents_imports_and_keeps_escaped_names
         assert refused.returncode == 1 and not refused.stdout, bad
         assert "refused rsync arguments" in refused.stderr
     assert len((tmp_path / "refused.log").read_text().splitlines()) == 5
+
+
+def _write_like_rsync(dest: Path, data: bytes, chunks: int = 8, rename: bool = True) -> Path:
+    """What rsync's receiver does: a temp file next to dest, written front to back, renamed at the end."""
+    import time
+
+    tmp = dest.parent / f".{dest.name}.Ab12Cd"
+    step = len(data) // chunks + 1
+    with open(tmp, "wb") as f:
+        for i in range(0, len(data), step):
+            f.write(data[i:i + step])
+            f.flush()
+            time.sleep(0.01)
+    if rename:
+        os.replace(tmp, dest)
+    return tmp
+
+
+def test_a_peer_file_is_hashed_while_it_arrives_and_not_read_again(tmp_path, monkeypatch):
+    import hashlib
+    import threading
+
+    data = os.urandom(3 << 20)
+    dest = tmp_path / "d" / "shard.safetensors"
+    dest.parent.mkdir()
+    follow = agent_mod._Follow(dest, len(data), "sha256")
+    writer = threading.Thread(target=_write_like_rsync, args=(dest, data))
+    writer.start()
+    writer.join()
+    follow.stop()
+    assert follow.digest_of(dest) == hashlib.sha256(data).hexdigest()
+
+    t = Talk(tmp_path / "m")
+    t.agent.manifest = {"shard.safetensors": {"path": "shard.safetensors", "size": len(data),
+                                              "sha256": hashlib.sha256(data).hexdigest()}}
+
+    def no_second_read(*a):
+        raise AssertionError("the file was read again")
+    monkeypatch.setattr(agent_mod, "file_digest", no_second_read)
+    t.agent._install("shard.safetensors", dest, "atlas-02", 0.0, follow)
+    assert [e["ev"] for e in t.events()] == ["received", "done"]
+    assert (tmp_path / "m" / "shard.safetensors").read_bytes() == data
+
+
+def test_what_was_followed_counts_only_for_the_same_whole_file(tmp_path):
+    data = os.urandom(1 << 20)
+    dest = tmp_path / "x.bin"
+    short = agent_mod._Follow(dest, len(data) + 1, "sha256")   # rsync ended before the whole size came
+    _write_like_rsync(dest, data)
+    short.stop()
+    assert short.digest_of(dest) is None
+    other = agent_mod._Follow(dest.with_name("y.bin"), len(data), "sha256")
+    tmp = _write_like_rsync(dest.with_name("y.bin"), data, rename=False)
+    dest.with_name("y.bin").write_bytes(data)   # another file ends up at the destination
+    other.stop()
+    assert other.digest_of(dest.with_name("y.bin")) is None
+    tmp.unlink()
+    nothing = agent_mod._Follow(tmp_path / "never.bin", 10, "sha256")
+    nothing.stop()   # no temp file ever showed up: it is hashed after all
+    assert nothing.digest_of(tmp_path / "never.bin") is None
+
+
+def test_a_pull_clears_the_temp_files_a_killed_agent_left(tmp_path, manifest):
+    (tmp_path / "m").mkdir()
+    stale = tmp_path / "m" / f".{agent_mod.STAMPS}.tmp4242"
+    stale.write_text("{}")
+    Talk(tmp_path / "m").hello(manifest, mode="stat")   # verify/status change nothing
+    assert stale.exists()
+    Talk(tmp_path / "m").hello(manifest, pull=True, holder={})
+    assert not stale.exists()
