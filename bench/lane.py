@@ -1,8 +1,8 @@
 """Print the real-engine lane's P/D figures per KV connector: start-up, first request, steady-state latency.
 
 Brings up a 2-host sandbox, generates the tiny Kimi-shaped checkpoint with the lane's python, and deploys the lane's
-1P1D (tests/real_engine/topologies/cpu-smoke-pd.yml: prefill on one host, decode on the other, vllm-router in front)
-once per connector, then stops it:
+1P1D (tests/real_engine/topologies/cpu-smoke-pd.yml: prefill on one host, decode on the other, behind the profile's
+default proxy: vllm-ascend's for NIXL, vllm-router for Mooncake) once per connector, then stops it:
   start-up       `kimictl deploy` wall time, and the part spent waiting for both engines to answer
   first request  deploy's smoke test: the first completion through the proxy after the engines started (400-word
                  prompt, 16 tokens; includes the connector's first handshake/bootstrap query)

@@ -168,3 +168,15 @@ def tcp_links(sb, host: str) -> list[tuple[str, int, str, int]]:
 def front_state(sb, host: str) -> dict:
     """The proxy front's state file on the proxy host (routers, reloads, the engine ids it watches)."""
     return json.loads(sb.ssh(host, "cat /var/lib/kimi/run/proxy-front/state.json").stdout or "{}")
+
+
+def lane_logs(sb, lines: int = 25) -> str:
+    """The errors and warnings in the lane P/D's engine and proxy logs (they outlive a rolled-back deploy): what
+    an assertion about the pair shows, so a failure under load says which side failed and why."""
+    out = []
+    for host, name in (("atlas-01", "prefill-0-dp0"), ("atlas-01", "proxy"), ("atlas-02", "decode-0-dp0")):
+        tail = sb.ssh(host, f"grep -E 'ERROR|WARNING|Error|error|failed' /var/lib/kimi/logs/{name}.log 2>/dev/null "
+                            f"| grep -v -E 'ulimit|nanobind|Triton|LD_PRELOAD|KVConnectorBase_V1|Enforce eager|"
+                            f"Inductor|Runner V2|OMP_NUM_THREADS|CPU core number|SSM cache' | tail -n {lines}").stdout
+        out.append(f"--- {host} {name}.log\n{tail}")
+    return "\n".join(out)

@@ -21,6 +21,7 @@ from conftest import (
     engine_cmdline,
     front_state,
     lane_inventory,
+    lane_logs,
     nic_rx_bytes,
     run_json,
     stop_cluster,
@@ -67,7 +68,7 @@ def _deploy(sb, tmp: Path, lane_python: str, tiny_model: Path, cluster: str, **e
         if hub:
             hub.stop()
     try:
-        assert code == 0, err[-4000:]
+        assert code == 0, err[-4000:] + lane_logs(sb)
         print(f"{cluster}: engines ready after {doc['seconds'].get('engines_ready')}s; smoke {doc['smoke']}")
         yield Pd(sb, inv, doc, sb.host("atlas-01")["ip"], sb.host("atlas-02")["ip"])
     finally:
@@ -90,7 +91,7 @@ def _moves_kv_over_the_network(pd: Pd, lane_python: str) -> health.PdProbe:
     probe = pd.probe()
     rx = nic_rx_bytes(pd.sb, "atlas-02") - rx0
     print(f"{pd.inventory.stem}: {probe.detail}; decode's NIC received {rx} bytes")
-    assert probe.ok, probe.detail
+    assert probe.ok, probe.detail + "\n" + lane_logs(pd.sb)
     assert probe.external_kv_transfer == probe.prompt_tokens == probe.prefill_prompt_tokens > 300
     assert probe.local_compute == 0
     # The prompt's KV (bytes per token from the model's facts) came in over decode's NIC, not over loopback ...
@@ -128,7 +129,8 @@ def _restart_prefill(pd: Pd) -> tuple[dict, dict]:
         time.sleep(5)
     after = supervised(pd.sb, "atlas-01")["prefill-0-dp0"]
     assert after["restarts"] == before["restarts"] + 1 and after["child_pid"] != before["child_pid"]
-    assert probe is not None and probe.ok, probe.detail if probe else "prefill never answered again"
+    assert probe is not None and probe.ok, (probe.detail if probe else "prefill never answered again") + "\n" + \
+        lane_logs(pd.sb)
     assert probe.external_kv_transfer == probe.prompt_tokens and probe.local_compute == 0
     code, status, err = run_json("status", "-i", str(pd.inventory), timeout=600)
     assert code == 0 and status["state"] == "healthy", str(status)[:3000] + err[-2000:]
