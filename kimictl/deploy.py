@@ -12,6 +12,7 @@ from typing import Any
 
 from kimictl import health, state
 from kimictl.errors import HostError, InvalidInput, KimictlError, guide
+from kimictl.facts import engine_profile
 from kimictl.hostops import ROLLBACK_READY_TIMEOUT_S, Change, HostOps, Proc, compute_changes, desired_procs
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
@@ -68,41 +69,38 @@ class Deployer:
     # --- smoke -----------------------------------------------------------------------------------------
 
     def smoke(self) -> dict[str, Any]:
-        """One long-prompt completion; in P/D both sides' KV-transfer counters must move."""
+        """One long-prompt completion; in P/D decode must get the whole prompt over the KV connector."""
         engines = [p for p in desired_procs(self.full_rendered, self.full_inv)
                    if p.kind == "engine" and p.serves_http]
-        before = {p.id: self.http.metric_totals(p.ip, p.port) for p in engines}
+        timeout = engine_profile(self.inv.cluster.kimi_engine_profile).probe_timeout_s or 60.0
         if self.plan.proxy:
             url = f"http://{self.plan.proxy.ip}:{self.plan.proxy.port}/v1/completions"
-        else:
-            first = engines[0]
-            url = f"http://{first.ip}:{first.port}/v1/completions"
+            side = {r: [(p.ip, p.port) for p in engines if p.role == r] for r in ("prefill", "decode")}
+            probe = health.pd_probe(url, self.plan.served_model_name, side["prefill"], side["decode"], words=400,
+                                    max_tokens=16, timeout=timeout, api_key=self.ops.api_key, http=self.http)
+            if not probe.answered:
+                raise HostError(f"smoke completion through {url} failed: HTTP {probe.code}: "
+                                f"{health.body_text(probe.body, 300) or '(an empty answer)'}",
+                                host=self.plan.proxy.host, step="smoke", hint=guide("t-smoke"))
+            if not probe.ok:
+                raise HostError(f"smoke completion did not go prefill -> decode over the KV connector ({probe.detail});"
+                                " a silent decode-only fallback is a failed deploy", host=self.plan.proxy.host,
+                                step="smoke", hint=guide("t-no-kv"))
+            return {"url": url, "text": probe.body["choices"][0].get("text", "")[:80], **probe.counters()}
+        first = engines[0]
+        url = f"http://{first.ip}:{first.port}/v1/completions"
+        before = {p.id: self.http.metric_totals(p.ip, p.port) for p in engines}
         code, body = self.http.http_post_json(url, {"model": self.plan.served_model_name,
                                                     "prompt": health.smoke_prompt(), "max_tokens": 16,
-                                                    "temperature": 0}, api_key=self.ops.api_key)
-        if code != 200 or not isinstance(body, dict) or not body.get("choices"):
+                                                    "temperature": 0}, timeout=timeout, api_key=self.ops.api_key)
+        if not health.completed(code, body):
             raise HostError(f"smoke completion through {url} failed: HTTP {code}: "
-                            f"{health.body_text(body, 300) or '(an empty answer)'}",
-                            host=self.plan.proxy.host if self.plan.proxy else engines[0].host, step="smoke",
+                            f"{health.body_text(body, 300) or '(an empty answer)'}", host=first.host, step="smoke",
                             hint=guide("t-smoke"))
         after = {p.id: self.http.metric_totals(p.ip, p.port) for p in engines}
-
-        def moved(role: str, metric: str) -> float:
-            return sum(after[p.id].get(metric, 0) - before[p.id].get(metric, 0) for p in engines if p.role == role)
-
-        result = {"url": url, "text": body["choices"][0].get("text", "")[:80]}
-        if self.plan.mode == "pd":
-            result["prefill_prompt_tokens"] = moved("prefill", health.PREFILL_COUNTER)
-            result["decode_external_prefix_cache_queries"] = moved("decode", health.DECODE_COUNTER)
-            if result["prefill_prompt_tokens"] <= 0 or result["decode_external_prefix_cache_queries"] <= 0:
-                raise HostError("smoke completion did not go prefill -> decode (KV-transfer counters: prefill "
-                                f"{result['prefill_prompt_tokens']:.0f}, decode "
-                                f"{result['decode_external_prefix_cache_queries']:.0f}); a silent decode-only "
-                                "fallback is a failed deploy", host=self.plan.proxy.host, step="smoke",
-                                hint=guide("t-no-kv"))
-        else:
-            result["generation_tokens"] = moved("colocated", health.GENERATION_COUNTER)
-        return result
+        moved = sum(after[p.id].get(health.GENERATION_COUNTER, 0) - before[p.id].get(health.GENERATION_COUNTER, 0)
+                    for p in engines)
+        return {"url": url, "text": body["choices"][0].get("text", "")[:80], "generation_tokens": moved}
 
     # --- the whole run ---------------------------------------------------------------------------------
 
@@ -161,7 +159,9 @@ class Deployer:
             return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "no-changes")
         try:
             self._converge(changes)
+            t0 = time.monotonic()
             smoke = self.smoke()
+            self.timings["smoke"] = round(time.monotonic() - t0, 2)  # the first completion since the engines started
             self.say(f"smoke: {smoke_text(smoke)}")
             self.ops.switch(self.rendered.releases)
         except KimictlError:

@@ -221,12 +221,36 @@ class VersionProfile(Strict):
         return {self.version, self.image_tag.lstrip("v"), *([self.upstream] if self.upstream else [])}
 
 
+class ConnectorPort(Strict):
+    """The fixed port a KV connector binds on the hosts of `roles`: the instance's kv_port (`{port_base}` in env
+    values) plus the engine's DP rank (`{port}`). The plan reserves it and preflight checks it free."""
+
+    what: str                                                # e.g. "NIXL side channel"
+    roles: list[Literal["prefill", "decode"]] = Field(min_length=1)
+
+
+class ConnectorRouter(Strict):
+    """What one P/D router kind needs for this connector."""
+
+    args: list[str] = Field(default_factory=list)  # added to the router's command line
+    prefill_bootstrap_port: bool = False           # the router gets each prefill URL followed by its connector port
+    # The router learns the prefill engines' ids once, at its start, from this path on each prefill's connector port:
+    # the proxy front watches it and restarts the routers when the ids change (a prefill engine restarted).
+    engine_ids_at_start: str | None = None
+
+
 class KvTransfer(Strict):
-    """The P/D connector of a non-Ascend engine profile ({cluster} in extra_config values is kimi_cluster)."""
+    """A P/D KV connector of a non-Ascend engine profile. Placeholders: {cluster} (kimi_cluster) in extra_config;
+    {ip} (the host's IP), {nic} (kimi_nic), {port} and {port_base} (ConnectorPort) in env values."""
 
     kv_connector: str
-    kv_connector_module_path: str | None = None
-    extra_config: dict[str, Any] = Field(default_factory=dict)
+    module: str | None = None         # a shim of kimictl's own, shipped to <kimi_state_dir>/bin/<module>.py and
+    #                                   loaded through kv_connector_module_path (PYTHONPATH=<kimi_state_dir>/bin)
+    config: dict[str, Any] = Field(default_factory=dict)        # more top-level --kv-transfer-config keys
+    extra_config: dict[str, Any] = Field(default_factory=dict)  # kv_connector_extra_config
+    env: dict[str, str] = Field(default_factory=dict)
+    port: ConnectorPort | None = None
+    routers: dict[str, ConnectorRouter] = Field(min_length=1)   # the router kinds that speak its P/D protocol
 
 
 class EngineMetrics(Strict):
@@ -249,10 +273,26 @@ class EngineProfile(Strict):
     serve: dict[str, Any] = Field(default_factory=dict)             # overlaid on the topology's serve flags
     drop_serve: dict[str, list[Any]] = Field(default_factory=dict)  # flag: values removed (with a warning)
     env: dict[str, str] = Field(default_factory=dict)               # replaces the version profile's env
-    kv_transfer: KvTransfer | None = None  # None: the version profile's connector (MooncakeConnectorV1)
+    # P/D connectors by name, the first the default (kimi_kv_connector picks another); none: the version
+    # profile's connector (MooncakeConnectorV1).
+    kv_connectors: dict[str, KvTransfer] = Field(default_factory=dict)
     min_ready_timeout_s: float = 0.0       # floor for deploy's readiness wait (start-up dominated by imports)
     metrics: EngineMetrics                 # what "busy" and "served something" are called on its /metrics
     router: str = "vllm-ascend-proxy"      # the P/D router (data/routers.yml) when the topology names none
+    probe_timeout_s: float | None = None   # deploy's smoke and status's pair probe wait this long (else 60/30 s)
+
+    def connector(self, name: str | None) -> tuple[str, KvTransfer] | None:
+        """(name, connector) that kimi_kv_connector picks (None: the default); None without profile connectors."""
+        if not self.kv_connectors:
+            if name:
+                raise InvalidInput(f"kimi_kv_connector: engine profile {self.name} moves KV with the version "
+                                   "profile's connector only (MooncakeConnectorV1); remove kimi_kv_connector")
+            return None
+        name = name or next(iter(self.kv_connectors))
+        if name not in self.kv_connectors:
+            raise InvalidInput(f"kimi_kv_connector: engine profile {self.name} has no connector '{name}'; "
+                               f"known: {', '.join(self.kv_connectors)} (default {next(iter(self.kv_connectors))})")
+        return name, self.kv_connectors[name]
 
     def facts(self, model_id: str | None = None) -> ModelFacts:
         """The profile's own model, else the facts kimi_model_id names (Kimi K2.5 W4A8 when unknown)."""

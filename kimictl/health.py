@@ -5,13 +5,19 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 # Counters that prove a completion went prefill -> decode (vLLM's own names; the simulator exports them too).
 PREFILL_COUNTER = "vllm:prompt_tokens"
 DECODE_COUNTER = "vllm:external_prefix_cache_queries"
 GENERATION_COUNTER = "vllm:generation_tokens"
+# Where an engine's prompt tokens came from (vLLM's PromptTokenStats): a decode engine that really got the KV counts
+# every prompt token as external_kv_transfer and computes none (local_compute) itself.
+PROMPT_SOURCES = "vllm:prompt_tokens_by_source"
+EXTERNAL, LOCAL_COMPUTE = "external_kv_transfer", "local_compute"
 
 
 @dataclass
@@ -103,6 +109,100 @@ def metric_totals(ip: str, port: int, timeout: float = 3.0) -> dict[str, float]:
     return scrape(ip, port, timeout)[0]
 
 
+def prompt_sources(endpoints: list[tuple[str, int]], timeout: float = 3.0, http: Any = None) -> dict[str, float] | None:
+    """vllm:prompt_tokens_by_source_total per source, summed over the endpoints; None when none exports it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    get = http.http_get if http else http_get
+    out: dict[str, float] | None = None
+    for ip, port in endpoints:
+        code, text = get(f"http://{ip}:{port}/metrics", timeout)
+        if code != 200:
+            continue
+        try:
+            families = list(text_string_to_metric_families(text))
+        except ValueError:
+            continue
+        for fam in families:
+            if fam.name != PROMPT_SOURCES:
+                continue
+            out = out if out is not None else {}
+            for s in fam.samples:
+                if s.name.endswith("_total") and "source" in s.labels:
+                    out[s.labels["source"]] = out.get(s.labels["source"], 0.0) + float(s.value)
+    return out
+
+
+def completed(code: int, body: Any) -> bool:
+    """A completion came back (vllm-ascend's proxy answers 200 with an empty body when the decode leg fails)."""
+    return code == 200 and isinstance(body, dict) and bool(body.get("choices"))
+
+
+@dataclass
+class PdProbe:
+    """One completion through the proxy, judged by what the decode side really got over the KV connector."""
+
+    ok: bool
+    code: int
+    body: Any
+    prompt_tokens: float            # the prompt's length (usage.prompt_tokens of the answer)
+    prefill_prompt_tokens: float    # vllm:prompt_tokens the prefill side counted meanwhile
+    external_kv_transfer: float     # decode's prompt tokens that arrived over the connector meanwhile
+    local_compute: float            # decode's prompt tokens it computed itself meanwhile (a fallback when > 0)
+    detail: str
+
+    @property
+    def answered(self) -> bool:
+        return completed(self.code, self.body)
+
+    def counters(self) -> dict[str, float]:
+        return {"prompt_tokens": self.prompt_tokens, "prefill_prompt_tokens": self.prefill_prompt_tokens,
+                "decode_external_kv_transfer_tokens": self.external_kv_transfer,
+                "decode_local_compute_tokens": self.local_compute}
+
+
+def pd_probe(url: str, model: str, prefill: list[tuple[str, int]], decode: list[tuple[str, int]], *,
+             words: int = 64, max_tokens: int = 2, timeout: float = 60.0, api_key: str | None = None,
+             http: Any = None) -> PdProbe:
+    """Send one completion through the P/D proxy; it passes when decode's external_kv_transfer rose by at least the
+    prompt's tokens and its local_compute did not rise (the prompt begins with a fresh nonce, so no prefix cache
+    serves it). Engines that do not export vllm:prompt_tokens_by_source are judged by prefill's prompt tokens and
+    decode's external prefix cache queries both rising. `http`: this module's HTTP functions, or a stand-in."""
+    http = http or SimpleNamespace(metric_totals=metric_totals, http_post_json=http_post_json, http_get=http_get)
+
+    def prefill_tokens() -> float:
+        return sum(http.metric_totals(ip, port).get(PREFILL_COUNTER, 0.0) for ip, port in prefill)
+
+    def decode_queries() -> float:
+        return sum(http.metric_totals(ip, port).get(DECODE_COUNTER, 0.0) for ip, port in decode)
+
+    p0, s0, q0 = prefill_tokens(), prompt_sources(decode, http=http), decode_queries()
+    code, body = http.http_post_json(url, {"model": model, "prompt": smoke_prompt(words, nonce=True),
+                                           "max_tokens": max_tokens, "temperature": 0}, timeout=timeout,
+                                     api_key=api_key)
+    p1, s1, q1 = prefill_tokens(), prompt_sources(decode, http=http), decode_queries()
+    usage = body.get("usage") if isinstance(body, dict) else None
+    prompt = float(usage.get("prompt_tokens") or 0) if isinstance(usage, dict) else 0.0
+    answered = completed(code, body)
+    head = f"HTTP {code}" + (" without a completion" if code == 200 and not answered else "")
+    moved_p = p1 - p0
+    if s0 is None or s1 is None:
+        moved_q = q1 - q0
+        ok = answered and moved_p > 0 and moved_q > 0
+        why = (f"prefill prompt tokens +{moved_p:.0f}, decode external prefix cache queries +{moved_q:.0f} "
+               f"(decode exports no {PROMPT_SOURCES})")
+        return PdProbe(ok, code, body, prompt, moved_p, moved_q, 0.0, f"{head}; {why}")
+    ext = s1.get(EXTERNAL, 0.0) - s0.get(EXTERNAL, 0.0)
+    local = s1.get(LOCAL_COMPUTE, 0.0) - s0.get(LOCAL_COMPUTE, 0.0)
+    ok = answered and prompt > 0 and ext >= prompt and local == 0
+    why = (f"prompt {prompt:.0f} tokens; decode got +{ext:.0f} over the KV connector and computed +{local:.0f} "
+           f"itself; prefill prompt tokens +{moved_p:.0f}")
+    if answered and not ok:
+        why += ("; decode recomputed the prompt (KV transfer failed or fell back)" if local > 0 else
+                "; decode did not get the prompt's KV")
+    return PdProbe(ok, code, body, prompt, moved_p, ext, local, f"{head}; {why}")
+
+
 def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
     """Prometheus-style histogram_quantile over cumulative (le, count) buckets; None without observations."""
     if not buckets or buckets[-1][1] <= 0:
@@ -119,8 +219,10 @@ def quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
     return prev_le
 
 
-def smoke_prompt(words: int = 400) -> str:
-    """A long, deterministic prompt so prefill has real work and several KV blocks to hand over."""
+def smoke_prompt(words: int = 400, nonce: bool = False) -> str:
+    """A long prompt so prefill has real work and several KV blocks to hand over; with `nonce` it begins with a
+    fresh random word, so no engine's prefix cache holds any of it (the KV must really move)."""
     base = ("Kimi K2.5 serves on Atlas hosts with prefill and decode split across engines; the decode side pulls "
             "the KV cache of this prompt from the prefill side before it generates. ").split()
-    return " ".join(base[i % len(base)] for i in range(words))
+    text = " ".join(base[i % len(base)] for i in range(words))
+    return f"{uuid.uuid4().hex[:12]} {text}" if nonce else text

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 LIVE_STATES = ("starting", "running", "backoff")
 STOP_GRACE_S = 30
 ROLLBACK_READY_TIMEOUT_S = 300.0  # readiness wait when a rollback restores the previous release
-# Files every host gets in <state>/bin/ (release.yml): the supervisor and the proxy front.
+# Files every host gets in <state>/bin/ (release.yml): the supervisor and the proxy front (and the engine profile's
+# connector shim when the plan's connector names one: render.engine_shims).
 HOST_BIN = ("supervisor.py", "proxy_front.py")
 
 
@@ -220,11 +221,13 @@ class HostOps:
         """Unpack each host's release next to the running one (nothing restarts); the tools in bin/ and the proxy's
         keys (the clients' and the admin key of its routers' API, made here on first use) are brought up to date on
         the way."""
+        from kimictl.render import engine_shims
+
         p = rendered.plan.proxy
         admin = p is not None and p.admin_key and proxy_admin_key(self.inv.cluster.name, create=True) is not None
         self.playbook("release.yml", {
             "state_dir_of": self.state_dir_of,
-            "bin": {name: str(remote.source(name)) for name in HOST_BIN},
+            "bin": {**{name: str(remote.source(name)) for name in HOST_BIN}, **engine_shims(rendered.plan)},
             "hosts": {h: {"release": rendered.releases[h], "bundle": str(self._bundle(h))} for h in hosts},
             "proxy_host": p.host if p else None, "api_key_file": self.inv.cluster.kimi_api_key_file,
             "admin_key_file": str(proxy_admin_key_path(self.inv.cluster.name)) if admin else None,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from kimictl.errors import InvalidInput, InventoryError
 from kimictl.facts import hardware_catalogue, system_dirs
@@ -176,6 +176,8 @@ KEYS: dict[str, Key] = {
     "kimi_python": Key("cluster", "python3 on the hosts that has modelscope/huggingface_hub, for weights pulls"),
     "kimi_engine_profile": Key("cluster", "engine profile: ascend (default) or cpu-smoke (vLLM CPU build, tiny "
                                           "checkpoint; the sandbox's real-engine lane)"),
+    "kimi_kv_connector": Key("cluster", "P/D KV connector of the engine profile: cpu-smoke has nixl (default) and "
+                                        "mooncake; ascend takes none (the version profile's MooncakeConnectorV1)"),
     "kimi_nic": Key("both", "NIC for HCCL/GLOO/TP sockets (required on every host, directly or via all.vars)"),
     "kimi_state_dir": Key("both", "kimictl state directory on the host, default /var/lib/kimi"),
     "kimi_engine_command": Key("both", "engine command replacing `vllm` (e.g. a simulator), default vllm"),
@@ -213,6 +215,18 @@ class ClusterSettings(BaseModel):
     kimi_media_dir: MediaDir = "/var/lib/kimi/media"
     kimi_python: Command = "python3"
     kimi_engine_profile: Literal["ascend", "cpu-smoke"] = "ascend"  # kimictl/data/engines/<name>.yml
+    kimi_kv_connector: str | None = None  # one of the engine profile's kv_connectors (default: its first)
+
+    @field_validator("kimi_kv_connector")
+    @classmethod
+    def _profile_connector(cls, v: str | None, info: ValidationInfo) -> str | None:
+        from kimictl.facts import engine_profile
+
+        try:
+            engine_profile(info.data.get("kimi_engine_profile")).connector(v)
+        except InvalidInput as exc:
+            raise ValueError(exc.message.removeprefix("kimi_kv_connector: ")) from None
+        return v
 
     @property
     def name(self) -> str:

@@ -17,6 +17,7 @@ from kimictl.facts import (
     TP_PARTS,
     EngineProfile,
     Hardware,
+    KvTransfer,
     ModelFacts,
     VersionProfile,
     engine_profile,
@@ -159,6 +160,7 @@ class Plan(_Model):
     model_dir: str
     served_model_name: str
     engine_profile: str = "ascend"
+    kv_connector: str | None = None  # the engine profile's P/D connector (None: the version profile's)
     host_roles: dict[str, str]
     instances: list[Instance]
     engines: list[Engine]
@@ -544,6 +546,7 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
             raise PlanError(f"prefill TP {p.tp} must be >= decode TP {d.tp} and divisible by it "
                             "(MooncakeConnectorV1 pulls KV from P TP ranks into D TP ranks)")
 
+    conn = prof.connector(inv.cluster.kimi_kv_connector) if topo.mode == "pd" else None
     groups = _assign(inv, topo, hw)
     ports = _Ports()
     instances: list[Instance] = []
@@ -565,8 +568,12 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
                 width = spec.dp * spec.tp
                 kv_port, engine_id = kv_next, name
                 kv_next += math.ceil(width / 100) * 100
-                for h in hosts:
-                    ports.take(h.name, kv_port, kv_port + width - 1, f"{name} kv_port range")
+                if conn is None:
+                    for h in hosts:
+                        ports.take(h.name, kv_port, kv_port + width - 1, f"{name} kv_port range")
+                elif conn[1].port and role in conn[1].port.roles:  # the port + each DP rank, on every host
+                    for h in hosts:
+                        ports.take(h.name, kv_port, kv_port + spec.dp - 1, f"{name} {conn[1].port.what}")
             ports.take(master.name, topo.ports.rpc, topo.ports.rpc, f"{name} data-parallel-rpc-port")
             instances.append(Instance(role=role, index=idx, name=name, hosts=[h.name for h in hosts], dp=spec.dp,
                                       tp=spec.tp, ep=ep, master_host=master.name, master_ip=master.ip,
@@ -605,7 +612,7 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
             return [Endpoint(host=e.host, ip=e.host_ip, port=e.port, engine=e.id)
                     for e in engines if e.role == role and e.serves_http]
 
-        kind, why = _router_kind(inv, topo, prof, role_cfg, decisions, ver, phost)
+        kind, why = _router_kind(inv, topo, prof, role_cfg, decisions, ver, phost, conn)
         proxy = ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=kind.name,
                           policy=topo.proxy.policy or "round_robin" if kind.name == "vllm-router" else None,
                           prefill=endpoints("prefill"), decode=endpoints("decode"), routers=routers,
@@ -616,7 +623,8 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,
         vllm_ascend_version=ver.version, image=ver.image(hw, inv.cluster.kimi_image_repo), hardware=hw.name,
         mode=topo.mode, launch=topo.launch, runtime=inv.cluster.kimi_runtime, model_dir=inv.cluster.kimi_model_dir,
-        served_model_name=facts.served_model_name, engine_profile=prof.name, host_roles=host_roles,
+        served_model_name=facts.served_model_name, engine_profile=prof.name, kv_connector=conn[0] if conn else None,
+        host_roles=host_roles,
         instances=instances, engines=engines, proxy=proxy, role_config=role_cfg, fits=fits, switches=decisions,
         ports=ports.uses, warnings=warnings, engine_api_key=inv.cluster.kimi_api_key_file is not None,
         engine_bind=topo.engine_bind,
@@ -639,11 +647,22 @@ def recompute_roles(role_cfg: dict[str, RoleConfig], decisions: list[SwitchDecis
 
 
 def _router_kind(inv: Inventory, topo: Topology, prof: EngineProfile, role_cfg: dict[str, RoleConfig],
-                 decisions: list[SwitchDecision], ver: VersionProfile, phost: Host) -> tuple[RouterKind, str]:
-    """The P/D router kind and why; PlanError for a combination that cannot work."""
+                 decisions: list[SwitchDecision], ver: VersionProfile, phost: Host,
+                 conn: tuple[str, KvTransfer] | None = None) -> tuple[RouterKind, str]:
+    """The P/D router kind and why; PlanError for a combination that cannot work. The engine profile's connector
+    (kimi_kv_connector) lists the router kinds that speak its protocol: without a topology choice the first of them
+    replaces a profile default it does not list."""
     assert topo.proxy is not None
     kind = router_kind(topo.proxy.router or prof.router)
     source = "topology proxy.router" if topo.proxy.router else f"engine profile {prof.name}'s default"
+    if conn and kind.name not in conn[1].routers:
+        if topo.proxy.router:
+            speak = ", ".join(conn[1].routers)
+            raise PlanError(f"kimi_kv_connector {conn[0]} ({conn[1].kv_connector}) does not work behind proxy.router "
+                            f"{kind.name}", hint=f"use a router that speaks its protocol ({speak}), or another "
+                            "kimi_kv_connector")
+        kind = router_kind(next(iter(conn[1].routers)))
+        source = f"kimi_kv_connector {conn[0]} works behind {', '.join(conn[1].routers)} only"
     why = f"{kind.name} ({source}): {kind.why}"
     if kind.name == "vllm-router":
         roles = recompute_roles(role_cfg, decisions, ver)

@@ -30,6 +30,9 @@ PROXY_ADMIN_KEY = "secrets/proxy-admin-key"
 ENGINE_KEY_ENV = "secrets/engine-api-key.env"
 # Next to proxy.sh in a release: runs a router copy's command inside the engines' image (container runtime).
 PROXY_CONTAINER_SCRIPT = "router.container.sh"
+# Engine-side shims of the lane's engine profile (they run inside the engine, e.g. kimictl_mooncake_cpu.py): deploy
+# ships the one the plan's connector names to <kimi_state_dir>/bin/ with the supervisor.
+ENGINE_SHIM_DIR = Path(__file__).parent / "sandbox"
 ASCEND_CONTROL_DEVICES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
 # Host paths the vllm-ascend docs bind into every container, read-only:
 # https://github.com/vllm-project/vllm-ascend/blob/releases/v0.23.0/docs/source/installation.md
@@ -135,28 +138,48 @@ def _fill(value: Any, **names: str) -> Any:
 
 
 def kv_transfer_config(plan: Plan, e: Engine) -> dict[str, Any] | None:
-    """MooncakeConnectorV1 JSON: kv_port/engine_id per DP group, extra config with both sides' real sizes
-    (or the engine profile's connector, e.g. ExampleConnector with its shared directory)."""
+    """MooncakeConnectorV1 JSON: kv_port/engine_id per DP group, extra config with both sides' real sizes (or the
+    engine profile's connector, e.g. NixlConnector; vLLM then names the engine afresh at each start, see
+    data/engines/cpu-smoke.yml)."""
     if plan.mode != "pd":
         return None
-    inst = plan.instance(e.instance)
+    kv_role = "kv_producer" if e.role == "prefill" else "kv_consumer"
+    picked = engine_profile(plan.engine_profile).connector(plan.kv_connector)
+    if picked:
+        kv = picked[1]
+        cfg: dict[str, Any] = {"kv_connector": kv.kv_connector, "kv_role": kv_role, **kv.config}
+        if kv.module:
+            cfg["kv_connector_module_path"] = kv.module
+        if kv.extra_config:
+            cfg["kv_connector_extra_config"] = _fill(kv.extra_config, cluster=plan.cluster)
+        return cfg
     ver = version_profile(plan.vllm_ascend_version)
-    kv = engine_profile(plan.engine_profile).kv_transfer
-    cfg: dict[str, Any] = {
-        "kv_connector": kv.kv_connector if kv else ver.kv_connector,
-        "kv_role": "kv_producer" if e.role == "prefill" else "kv_consumer",
-        "kv_port": str(inst.kv_port),
-        "engine_id": inst.engine_id,
-    }
-    module_path = kv.kv_connector_module_path if kv else ver.kv_connector_module_path
-    if module_path:
-        cfg["kv_connector_module_path"] = module_path
-    if kv:
-        cfg["kv_connector_extra_config"] = _fill(kv.extra_config, cluster=plan.cluster)
-    else:
-        cfg["kv_connector_extra_config"] = {r: {"dp_size": plan.fits[r].dp, "tp_size": plan.fits[r].tp}
-                                            for r in ("prefill", "decode")}
+    inst = plan.instance(e.instance)
+    cfg = {"kv_connector": ver.kv_connector, "kv_role": kv_role, "kv_port": str(inst.kv_port),
+           "engine_id": inst.engine_id}
+    if ver.kv_connector_module_path:
+        cfg["kv_connector_module_path"] = ver.kv_connector_module_path
+    cfg["kv_connector_extra_config"] = {r: {"dp_size": plan.fits[r].dp, "tp_size": plan.fits[r].tp}
+                                        for r in ("prefill", "decode")}
     return cfg
+
+
+def connector_port(plan: Plan, e: Engine) -> int | None:
+    """The port the engine profile's connector binds on this engine (the instance's kv_port + its DP rank)."""
+    picked = engine_profile(plan.engine_profile).connector(plan.kv_connector) if plan.mode == "pd" else None
+    kv_port = plan.instance(e.instance).kv_port
+    if not picked or not picked[1].port or e.role not in picked[1].port.roles or kv_port is None:
+        return None
+    return kv_port + e.dp_ranks[0]
+
+
+def engine_shims(plan: Plan) -> dict[str, str]:
+    """{file name in <kimi_state_dir>/bin: source on the control node} of the shim the plan's connector loads."""
+    picked = engine_profile(plan.engine_profile).connector(plan.kv_connector) if plan.mode == "pd" else None
+    if not picked or not picked[1].module:
+        return {}
+    name = f"{picked[1].module}.py"
+    return {name: str(ENGINE_SHIM_DIR / name)}
 
 
 def engine_argv(plan: Plan, inv: Inventory, topo: Topology, e: Engine) -> list[str]:
@@ -199,12 +222,23 @@ def engine_env(plan: Plan, inv: Inventory, e: Engine) -> dict[str, str]:
     env = dict(plan.role_config[e.role].env)
     nic = host.kimi_nic
     env.update({"GLOO_SOCKET_IFNAME": nic, "TP_SOCKET_IFNAME": nic, "VLLM_HOST_IP": host.ip})
-    if engine_profile(plan.engine_profile).ascend:
+    prof = engine_profile(plan.engine_profile)
+    if prof.ascend:
         env.update({
             "HCCL_IF_IP": host.ip,
             "HCCL_SOCKET_IFNAME": nic,
             "ASCEND_RT_VISIBLE_DEVICES": ",".join(str(d) for d in e.devices),
         })
+    picked = prof.connector(plan.kv_connector) if plan.mode == "pd" else None
+    if picked:
+        kv = picked[1]
+        port = connector_port(plan, e)
+        base = plan.instance(e.instance).kv_port
+        # {port} exists only where this role binds one (e.g. not Mooncake's bootstrap port on decode)
+        wanted = {k: v for k, v in kv.env.items() if port is not None or "{port" not in v}
+        env.update(_fill(wanted, ip=host.ip, nic=nic, port=str(port), port_base=str(base)))
+        if kv.module:  # the shim deploy ships next to the supervisor
+            env["PYTHONPATH"] = f"{host.kimi_state_dir}/bin"
     return dict(sorted(env.items()))
 
 
@@ -234,11 +268,16 @@ def proxy_argv(plan: Plan, inv: Inventory) -> list[str]:
     assert p is not None
     host = inv.host(p.host)
     kind = router_kind(p.router)
+    picked = engine_profile(plan.engine_profile).connector(plan.kv_connector)
+    needs = picked[1].routers[p.router] if picked else None  # what this router needs for the profile's connector
     if kind.name == "vllm-router":
         argv = [*shlex.split(host.kimi_router_command or "vllm-router"), "--policy", str(p.policy),
-                "--vllm-pd-disaggregation"]
+                "--vllm-pd-disaggregation", *(needs.args if needs else [])]
+        engines = {e.id: e for e in plan.engines}
         for ep in p.prefill:
             argv += ["--prefill", f"http://{ep.ip}:{ep.port}"]
+            if needs and needs.prefill_bootstrap_port:
+                argv.append(str(connector_port(plan, engines[ep.engine])))
         for ep in p.decode:
             argv += ["--decode", f"http://{ep.ip}:{ep.port}"]
         return argv + kind.args
@@ -250,7 +289,18 @@ def proxy_argv(plan: Plan, inv: Inventory) -> list[str]:
     return [*cmd,
             "--prefiller-hosts", *(ep.ip for ep in p.prefill), "--prefiller-ports", *(str(ep.port) for ep in p.prefill),
             "--decoder-hosts", *(ep.ip for ep in p.decode), "--decoder-ports", *(str(ep.port) for ep in p.decode),
-            *kind.args]
+            *kind.args, *(needs.args if needs else [])]
+
+
+def engine_id_urls(plan: Plan) -> list[str]:
+    """Where the proxy's router learns the prefill engines' ids once, at its start (the proxy front watches them)."""
+    p = plan.proxy
+    picked = engine_profile(plan.engine_profile).connector(plan.kv_connector) if p else None
+    path = picked[1].routers[p.router].engine_ids_at_start if picked and p else None
+    if not path:
+        return []
+    engines = {e.id: e for e in plan.engines}
+    return [f"http://{ep.ip}:{connector_port(plan, engines[ep.engine])}{path}" for ep in p.prefill]
 
 
 def front_argv(plan: Plan, inv: Inventory) -> list[str]:
@@ -267,6 +317,8 @@ def front_argv(plan: Plan, inv: Inventory) -> list[str]:
         argv += ["--router-health", kind.health_path]
     if kind.metrics_flag is None:
         argv += ["--no-router-metrics"]
+    for url in engine_id_urls(plan):
+        argv += ["--watch", url]
     if p.api_key:
         argv += ["--api-key-file", f"{sd}/{PROXY_API_KEY}"]
     if p.admin_key:

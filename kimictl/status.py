@@ -9,8 +9,10 @@ from typing import Any
 
 from kimictl import ascend, health
 from kimictl.errors import guide
+from kimictl.facts import engine_profile
 from kimictl.inventory import Inventory
 from kimictl.observe_up import monitoring_status
+from kimictl.render import PROXY_FRONT_STATE
 from kimictl.router_kinds import RouterError, membership_client, proxy_ready
 from kimictl.secret_file import engine_api_key, proxy_admin_key, proxy_api_key
 from kimictl.ssh import Sessions, SSHError
@@ -27,15 +29,21 @@ def _probe(inv: Inventory, timeout: float) -> dict[str, Any]:
         out = s.run(f"cat {sd}/current/manifest.json 2>/dev/null || echo null; echo '@@kimi'; "
                     f"if [ -f {sd}/bin/supervisor.py ]; then python3 {sd}/bin/supervisor.py status --run-dir "
                     f"{sd}/run; else echo '[]'; fi; echo '@@kimi'; "
-                    "PATH=/usr/local/bin:/usr/local/sbin:$PATH npu-smi info 2>/dev/null", timeout=timeout).stdout
+                    "PATH=/usr/local/bin:/usr/local/sbin:$PATH npu-smi info 2>/dev/null; echo '@@kimi'; "
+                    f"cat {sd}/{PROXY_FRONT_STATE} 2>/dev/null", timeout=timeout).stdout
         manifest, _, rest = out.partition("@@kimi")
-        sup, _, smi = rest.partition("@@kimi")
+        sup, _, rest = rest.partition("@@kimi")
+        smi, _, front = rest.partition("@@kimi")
         hbm = {n.logical_id: n.hbm_used_mb for n in ascend.parse_npu_smi_info(smi).npus}
         try:
-            return {"manifest": json.loads(manifest), "supervised": {x["name"]: x for x in json.loads(sup or "[]")},
-                    "hbm_used_mb": hbm}
+            front_state = json.loads(front) if front.strip() else None
         except ValueError:
-            return {"manifest": None, "supervised": {}, "hbm_used_mb": hbm}
+            front_state = None
+        try:
+            return {"manifest": json.loads(manifest), "supervised": {x["name"]: x for x in json.loads(sup or "[]")},
+                    "hbm_used_mb": hbm, "front": front_state}
+        except ValueError:
+            return {"manifest": None, "supervised": {}, "hbm_used_mb": hbm, "front": front_state}
 
     with Sessions(inv, timeout=timeout) as sessions:
         return sessions.each(one)
@@ -94,6 +102,9 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
                      "routers": int(man["proxy"].get("routers", 0)), "admin_key": bool(man["proxy"].get("admin_key")),
                      "router": man["proxy"].get("router") or "vllm-router",  # releases before router kinds
                      "state": "stopped" if sup is None else _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")}
+            stale = _stale_engine_ids((got.get("front") or {}).get("watch"))
+            if stale:
+                proxy["stale_engine_ids"] = stale
 
     def readiness(row: dict[str, Any]) -> None:
         if row["state"] == "starting" and row.get("serves_http", True):
@@ -114,8 +125,13 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
 
     pairs: list[dict[str, Any]] = []
     pd = any(r["role"] == "prefill" for r in engines) and any(r["role"] == "decode" for r in engines)
-    if pd and proxy and probe_pairs:
-        pairs.append(_pair_probe(engines, proxy, served or "", api_key))
+    if pd and proxy and proxy.get("stale_engine_ids"):  # a probe now would wait on a dead peer
+        pairs.append({"prefill": [r["id"] for r in engines if r["role"] == "prefill"],
+                      "decode": [r["id"] for r in engines if r["role"] == "decode"], "state": "failed",
+                      "detail": proxy["stale_engine_ids"]})
+    elif pd and proxy and probe_pairs:
+        wait = engine_profile(inv.cluster.kimi_engine_profile).probe_timeout_s or 30.0
+        pairs.append(_pair_probe(engines, proxy, served or "", api_key, wait))
     if proxy and proxy["state"] == "ready":
         # The routers' own API takes kimictl's admin key (a front made before it had one took the client key).
         admin = proxy_admin_key(inv.cluster.name) if proxy["admin_key"] else api_key
@@ -140,6 +156,18 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
             "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def _stale_engine_ids(watch: dict[str, Any] | None) -> str | None:
+    """Why the proxy's routers cannot reach a prefill engine yet: they learnt the prefill engine ids at their start
+    (the proxy front's --watch) and a prefill engine has restarted under a new id since; None when they know."""
+    if not watch or watch.get("engine_ids") is None or watch.get("engine_ids") == watch.get("routers_know"):
+        return None
+    now, known = watch["engine_ids"], watch.get("routers_know") or {}
+    changed = sorted(u.split("//")[-1].split("/")[0] for u in now if now[u] != known.get(u))
+    return (f"the proxy's routers know prefill engine ids from before a restart of the prefill engine at "
+            f"{', '.join(changed) or 'its bootstrap server'} (they learn them only at their start); the proxy front "
+            "restarts them")
+
+
 def _membership(engines: list[dict[str, Any]], proxy: dict[str, Any], api_key: str | None) -> list[dict[str, Any]]:
     """Each router copy behind the proxy against the deployed endpoints, from the copy's own membership API: a router
     that lost one (a drain left behind, a restart with another membership) routes around capacity the plan has."""
@@ -160,27 +188,19 @@ def _membership(engines: list[dict[str, Any]], proxy: dict[str, Any], api_key: s
 
 
 def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: str,
-                api_key: str | None = None) -> dict[str, Any]:
-    """One request through the proxy must move prefill's and decode's KV-transfer counters."""
+                api_key: str | None = None, timeout: float = 30.0) -> dict[str, Any]:
+    """One request through the proxy: decode must get the whole prompt over the KV connector (health.pd_probe)."""
     pre = [r for r in engines if r["role"] == "prefill" and r["state"] == "ready"]
     dec = [r for r in engines if r["role"] == "decode" and r["state"] == "ready"]
     if proxy["state"] != "ready" or not pre or not dec:
         return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "failed",
                 "detail": "proxy or one side not ready"}
-
-    def totals(rows: list[dict[str, Any]], metric: str) -> float:
-        return sum(health.metric_totals(r["ip"], r["port"]).get(metric, 0.0) for r in rows)
-
-    p0, d0 = totals(pre, health.PREFILL_COUNTER), totals(dec, health.DECODE_COUNTER)
-    code, body = health.http_post_json(f"http://{proxy['ip']}:{proxy['port']}/v1/completions",
-                                       {"model": served, "prompt": health.smoke_prompt(64), "max_tokens": 2},
-                                       timeout=30, api_key=api_key)
-    moved_p, moved_d = totals(pre, health.PREFILL_COUNTER) - p0, totals(dec, health.DECODE_COUNTER) - d0
+    probe = health.pd_probe(f"http://{proxy['ip']}:{proxy['port']}/v1/completions", served,
+                            [(r["ip"], r["port"]) for r in pre], [(r["ip"], r["port"]) for r in dec],
+                            timeout=timeout, api_key=api_key)
     # vllm-ascend's proxy has sent 200 before the decode leg runs: when decode fails the request, the answer is empty
-    answered = code == 200 and isinstance(body, dict) and bool(body.get("choices"))
-    ok = answered and moved_p > 0 and moved_d > 0
-    return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "ok" if ok else "failed",
-            "detail": f"HTTP {code}{' without a completion' if code == 200 and not answered else ''}; prefill prompt "
-                      f"tokens +{moved_p:.0f}, decode external prefix cache +{moved_d:.0f}"
-            + ("" if answered else f": {health.body_text(body) or '(an empty answer)'}"),
-            **({} if ok else {"hint": guide("t-no-kv") if answered else guide("t-pair-probe")})}
+    return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec],
+            "state": "ok" if probe.ok else "failed",
+            "detail": probe.detail + ("" if probe.answered else
+                                      f": {health.body_text(probe.body) or '(an empty answer)'}"),
+            **({} if probe.ok else {"hint": guide("t-no-kv" if probe.answered else "t-pair-probe")})}

@@ -22,6 +22,9 @@ the connection (408), keep-alive connections close after --idle-timeout, bodies 
 request bodies 411, log lines are rate-limited. Bodies stream through to the router; one of up to RESEND_MAX bytes
 is kept until answered, so that a request a router dropped unanswered (a copy shutting down) is sent once more to
 another copy; a larger one gets 502 then.
+With --watch URL, routers that learn the prefill engines' ids once, at their start (vllm-router asks Mooncake
+bootstrap servers), are restarted the same way when the engine ids those URLs list change (a prefill engine
+restarted under a new id); the state file tells what the routers know meanwhile.
 Runs on the hosts' python3: stdlib only, Python 3.9+.
 """
 
@@ -38,6 +41,7 @@ import socket
 import sys
 import time
 import urllib.parse
+import urllib.request
 
 ADMIN_RE = re.compile(rb"/kimictl/router/(\d{1,3})(/.*)?")
 HOLD_RE = re.compile(rb"/kimictl/front/router/(\d{1,3})/(hold|release)")
@@ -109,6 +113,29 @@ def response(code, reason, text, extra=""):
     body = (json.dumps({"error": {"message": text, "code": code}}) + "\n").encode()
     return (f"HTTP/1.1 {code} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}"
             "Connection: close\r\n\r\n").encode() + body
+
+
+def engine_ids(urls):
+    """{url: sorted engine ids} from each URL's JSON (every "engine_id" value in it); None if one does not answer."""
+    out = {}
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=3) as r:
+                doc = json.load(r)
+        except (OSError, ValueError):
+            return None
+        found, todo = [], [doc]
+        while todo:
+            item = todo.pop()
+            if isinstance(item, dict):
+                found += [str(v) for k, v in item.items() if k == "engine_id"]
+                todo += [v for v in item.values() if isinstance(v, (dict, list))]
+            elif isinstance(item, list):
+                todo += item
+        if not found:
+            return None  # a bootstrap server with no engine registered yet
+        out[url] = sorted(found)
+    return out
 
 
 class HttpError(Exception):
@@ -495,6 +522,9 @@ class Front:
         self.idle = {}  # session -> since when it waits for its next request (oldest first)
         self.kept = 0  # bytes of request bodies kept for a second attempt
         self.tasks = set()
+        # --watch: the engine ids the URLs list now, and the ones every router learnt at its last (re)start
+        self.watch = {"urls": list(args.watch), "engine_ids": None, "routers_know": None, "checked_at": None,
+                      "changed_at": None}
 
     # --- state file -----------------------------------------------------------------------------------------
 
@@ -503,7 +533,7 @@ class Front:
             "pid": os.getpid(), "listen": self.args.listen, "requested": self.requested, "completed": self.completed,
             "reload": self.last, "routers": [r.doc() for r in self.routers],
             "api_key": self.args.api_key_file is not None, "admin_key": self.args.admin_key_file is not None,
-            "max_connections": self.cap,
+            "max_connections": self.cap, "watch": self.watch if self.args.watch else None,
         })
 
     # --- routers --------------------------------------------------------------------------------------------
@@ -614,6 +644,30 @@ class Front:
                 return f"router {r.index} (port {r.port}) not ready {self.args.ready_timeout:.0f}s after its restart"
         return None
 
+    async def watcher(self):
+        """--watch: restart the routers when the prefill engine ids they learnt at their start are stale."""
+        w = self.watch
+        while not self.stopping:
+            ids = await asyncio.get_running_loop().run_in_executor(None, engine_ids, w["urls"])
+            w["checked_at"] = time.time()
+            if ids is not None:
+                w["engine_ids"] = ids
+                if w["routers_know"] is None:
+                    if all(r.accepting for r in self.routers):
+                        w["routers_know"] = ids  # first sight: the routers just asked the same servers
+                elif ids != w["routers_know"]:
+                    w["changed_at"] = time.time()
+                    log(f"prefill engine ids changed ({w['routers_know']} -> {ids}); restarting the routers")
+                    self.requested += 1
+                    seq = self.requested
+                    self.reload_wanted.set()
+                    self.save()
+                    while self.completed < seq and not self.stopping:
+                        await asyncio.sleep(0.5)
+                    if self.last.get("state") == "done":
+                        w["routers_know"] = ids
+            self.save()
+            await asyncio.sleep(self.args.watch_interval)
 
     # --- clients --------------------------------------------------------------------------------------------
 
@@ -819,6 +873,8 @@ class Front:
             + ", ".join(str(r.port) for r in self.routers) + f"; at most {self.cap} client connections")
         tasks = [asyncio.ensure_future(self.run_router(r)) for r in self.routers]
         tasks.append(asyncio.ensure_future(self.reloader()))
+        if self.args.watch:
+            tasks.append(asyncio.ensure_future(self.watcher()))
         accept = asyncio.ensure_future(self.accept_loop(lsock))
         await done.wait()
         log("stopping: no new connections; routers finish their in-flight requests")
@@ -950,6 +1006,10 @@ def parser():
     run.add_argument("--ready-timeout", type=float, default=600.0, help="a restarted router must answer by then")
     run.add_argument("--connect-wait", type=float, default=30.0,
                      help="how long a client waits for a router when none is up")
+    run.add_argument("--watch", action="append", default=[],
+                     help="URL listing prefill engine ids (JSON with engine_id fields) that the routers learn at their "
+                          "start; restart them when the ids change (repeat)")
+    run.add_argument("--watch-interval", type=float, default=3.0, help="seconds between --watch checks")
     rl = sub.add_parser("reload", help="restart the routers one at a time and wait")
     rl.add_argument("--state", required=True)
     rl.add_argument("--timeout", type=float, default=900.0)

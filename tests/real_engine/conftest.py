@@ -99,9 +99,10 @@ TINY_ID = "kimictl/Kimi-K2.5-tiny"
 
 
 def lane_inventory(sb, out: Path, *, cluster: str, hosts: list[str], lane_python: str, model_dir: Path,
-                   hub_url: str | None = None) -> Path:
+                   hub_url: str | None = None, **extra: str) -> Path:
     """The sandbox's inventory with the lane's tweaks: engine profile, engine command, host subset, and either
-    the tiny checkpoint in place (model_dir, source local) or served by a hub that `deploy` stages it from."""
+    the tiny checkpoint in place (model_dir, source local) or served by a hub that `deploy` stages it from;
+    `extra` are more all.vars (e.g. kimi_kv_connector)."""
     doc = yaml.safe_load(sb.inventory.read_text())
     source = ({"kimi_model_source": "modelscope", "kimi_model_id": TINY_ID, "kimi_model_endpoint": hub_url,
                "kimi_model_dir": "/var/lib/kimi/models/Kimi-K2.5-tiny"} if hub_url else
@@ -111,6 +112,7 @@ def lane_inventory(sb, out: Path, *, cluster: str, hosts: list[str], lane_python
         "kimi_engine_profile": "cpu-smoke",
         "kimi_engine_command": lane_python,
         **source,
+        **extra,
     })
     doc["all"]["hosts"] = {h: v for h, v in doc["all"]["hosts"].items() if h in hosts}
     path = out / f"{cluster}.yml"
@@ -143,3 +145,38 @@ def stop_cluster(inventory: Path) -> None:
     proc = kimictl("stop", "-i", str(inventory), "--yes", timeout=300)
     if proc.returncode != 0:
         print(f"kimictl stop -> {proc.returncode}: {proc.stderr[-2000:]}", file=sys.stderr)
+
+
+def nic_rx_bytes(sb, host: str, nic: str = "eth0") -> int:
+    """Bytes the host's NIC received (the sandbox bridge: never loopback)."""
+    return int(sb.ssh(host, f"cat /sys/class/net/{nic}/statistics/rx_bytes").stdout)
+
+
+def tcp_links(sb, host: str) -> list[tuple[str, int, str, int]]:
+    """Established TCP connections seen on a host: (local ip, local port, peer ip, peer port)."""
+    out = []
+    for line in sb.ssh(host, "ss -tnH state established").stdout.splitlines():
+        cols = line.split()
+        if len(cols) < 4:
+            continue
+        (lip, _, lport), (pip, _, pport) = (c.rpartition(":") for c in cols[-2:])
+        out.append((lip.strip("[]").removeprefix("::ffff:"), int(lport), pip.strip("[]").removeprefix("::ffff:"),
+                    int(pport)))
+    return out
+
+
+def front_state(sb, host: str) -> dict:
+    """The proxy front's state file on the proxy host (routers, reloads, the engine ids it watches)."""
+    return json.loads(sb.ssh(host, "cat /var/lib/kimi/run/proxy-front/state.json").stdout or "{}")
+
+
+def lane_logs(sb, lines: int = 25) -> str:
+    """The errors and warnings in the lane P/D's engine and proxy logs (they outlive a rolled-back deploy): what
+    an assertion about the pair shows, so a failure under load says which side failed and why."""
+    out = []
+    for host, name in (("atlas-01", "prefill-0-dp0"), ("atlas-01", "proxy"), ("atlas-02", "decode-0-dp0")):
+        tail = sb.ssh(host, f"grep -E 'ERROR|WARNING|Error|error|failed' /var/lib/kimi/logs/{name}.log 2>/dev/null "
+                            f"| grep -v -E 'ulimit|nanobind|Triton|LD_PRELOAD|KVConnectorBase_V1|Enforce eager|"
+                            f"Inductor|Runner V2|OMP_NUM_THREADS|CPU core number|SSM cache' | tail -n {lines}").stdout
+        out.append(f"--- {host} {name}.log\n{tail}")
+    return "\n".join(out)

@@ -79,23 +79,22 @@ def test_the_check_rejects_what_vllm_rejects(vllm_parse) -> None:
 
 def test_cpu_smoke_lane_argv_parses(vllm_parse, tmp_path: Path) -> None:
     """The lane's own renders (cpu-smoke profile, lane topologies) parse too (they hold nothing Ascend-only)."""
-    inv_path = tmp_path / "lane.yml"
-    inv_path.write_text(yaml.safe_dump({"all": {
-        "vars": {"kimi_cluster": "lane", "kimi_model_dir": "/models/m", "kimi_model_source": "local",
-                 "kimi_runtime": "host", "kimi_engine_profile": "cpu-smoke", "kimi_engine_command": LANE_PYTHON,
-                 "kimi_nic": "eth0"},
-        "hosts": {f"atlas-0{i}": {"ansible_host": f"10.200.0.1{i}", "kimi_hardware": "atlas-800-a3"}
-                  for i in (1, 2)}}}))
-    inv = load_inventory(inv_path)
+    lane = {"kimi_cluster": "lane", "kimi_model_dir": "/models/m", "kimi_model_source": "local", "kimi_runtime": "host",
+            "kimi_engine_profile": "cpu-smoke", "kimi_engine_command": LANE_PYTHON, "kimi_nic": "eth0",
+            "kimi_proxy_script": "/opt/vllm-ascend/examples/disaggregated_prefill_v1/proxy.py"}
+    hosts = {f"atlas-0{i}": {"ansible_host": f"10.200.0.1{i}", "kimi_hardware": "atlas-800-a3"} for i in (1, 2)}
     argvs: dict[str, list[str]] = {}
-    for name in ("cpu-smoke-pd", "cpu-smoke-colocated"):
+    for connector, name in (("nixl", "cpu-smoke-pd"), ("nixl", "cpu-smoke-colocated"), ("mooncake", "cpu-smoke-pd")):
+        inv_path = tmp_path / f"lane-{connector}.yml"
+        inv_path.write_text(yaml.safe_dump({"all": {"vars": {**lane, "kimi_kv_connector": connector}, "hosts": hosts}}))
+        inv = load_inventory(inv_path)
         topo = load_topology(str(Path(__file__).parent / "topologies" / f"{name}.yml"))
         for e in render(make_plan(inv, topo), inv, topo).engines:
             assert e.argv[1:5] == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/models/m"]
-            argvs[f"{name}/{e.id}"] = e.argv[5:]
+            argvs[f"{connector}/{name}/{e.id}"] = e.argv[5:]
     result = vllm_parse(argvs)
     assert result == dict.fromkeys(argvs), json.dumps(result, indent=1)
-    assert len(result) == 4  # P/D: prefill + decode; colocated on two hosts: two instances
+    assert len(result) == 6  # P/D (NIXL, Mooncake): prefill + decode each; colocated on two hosts: two instances
 
 
 def test_no_abbreviation_of_a_reserved_flag_gets_past_the_topology_check() -> None:

@@ -50,7 +50,9 @@ def _tuned_topology(tmp_path: Path) -> Path:
 def test_first_deploy_serves_through_the_proxy(deployed) -> None:
     doc = deployed.first
     assert doc["result"] == "deployed"
-    assert doc["smoke"]["prefill_prompt_tokens"] > 0 and doc["smoke"]["decode_external_prefix_cache_queries"] > 0
+    smoke = doc["smoke"]  # decode got the whole prompt over the KV hand-over and computed none of it
+    assert smoke["prefill_prompt_tokens"] > 0 and smoke["decode_local_compute_tokens"] == 0
+    assert smoke["decode_external_kv_transfer_tokens"] == smoke["prompt_tokens"] > 0
     assert len([c for c in doc["changes"] if c["action"] == "start"]) == 7  # 6 engines + proxy
     assert _complete(deployed)["choices"][0]["text"].strip()
     states = {**_supervised(deployed, "atlas-01"), **_supervised(deployed, "atlas-02")}

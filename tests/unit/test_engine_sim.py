@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import kimictl.sandbox.engine_sim as es
+from kimictl import health
 
 SIM = Path(es.__file__)
 # The fake hosts run the sim with the system interpreter and no venv; do the same when it exists.
@@ -782,26 +783,14 @@ ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path(ROUTER).exists(), reason="vllm-router not installed (pip install vllm-router)")
-def test_vllm_router_pd_end_to_end(pd_pair, simhost):
-    prefill, decode, _ = pd_pair
+def _router(simhost, prefill: Sim, decode: Sim) -> str:
+    """vllm-router in P/D mode in front of one simulated prefill and decode engine; its URL once it answers."""
     port = free_port()
     log = simhost.root / "router.log"
     with log.open("wb") as out:
         router = subprocess.Popen(
-            [
-                ROUTER,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--policy",
-                "round_robin",
-                "--vllm-pd-disaggregation",
-                "--prefill",
-                prefill.url,
-                "--decode",
-                decode.url,
-            ],
+            [ROUTER, "--host", "127.0.0.1", "--port", str(port), "--policy", "round_robin",
+             "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -815,6 +804,12 @@ def test_vllm_router_pd_end_to_end(pd_pair, simhost):
                 break
         except OSError:
             time.sleep(0.2)
+    return url
+
+
+def test_vllm_router_pd_end_to_end(pd_pair, simhost):
+    prefill, decode, _ = pd_pair
+    url = _router(simhost, prefill, decode)
     status, body, _ = http("POST", f"{url}/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 6})
     assert status == 200, body
     assert json.loads(body)["usage"]["completion_tokens"] == 6
@@ -836,6 +831,33 @@ def test_vllm_router_pd_end_to_end(pd_pair, simhost):
     assert p_metrics["vllm:generation_tokens_total"] == 2  # max_tokens=1 per prefill
     # What the router sent (it tacks on fields vLLM does not know; the sim logs them like vLLM does).
     assert "present in the request but ignored" in prefill.out.read_text()
+
+
+def _sources(sim: Sim) -> dict[str, float]:
+    text = http("GET", f"{sim.url}/metrics")[1].decode()
+    return {s.labels["source"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "vllm:prompt_tokens_by_source" for s in f.samples if s.name.endswith("_total")}
+
+
+def test_prompt_sources_and_the_pd_probe(pd_pair, simhost):
+    """vLLM's prompt token sources: prefill computes the prompt, decode gets all of it over the KV hand-over;
+    health.pd_probe (deploy's smoke, status's pair probe) passes on that and fails on a decode that computed."""
+    prefill, decode, _ = pd_pair
+    assert _sources(decode) == {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
+    url = _router(simhost, prefill, decode)
+    p_end, d_end = ([("127.0.0.1", int(s.url.rsplit(":", 1)[1]))] for s in (prefill, decode))
+    probe = health.pd_probe(f"{url}/v1/completions", MODEL, p_end, d_end, words=40)
+    assert probe.ok, probe.detail
+    assert probe.external_kv_transfer == probe.prompt_tokens == probe.prefill_prompt_tokens > 40
+    assert probe.local_compute == 0
+    assert _sources(prefill)["local_compute"] == probe.prompt_tokens and _sources(prefill)["external_kv_transfer"] == 0
+    assert _sources(decode)["external_kv_transfer"] == probe.prompt_tokens and _sources(decode)["local_compute"] == 0
+
+    # Straight to decode (no proxy, no kv_transfer_params): decode computes the prompt itself - a fallback.
+    bad = health.pd_probe(f"{decode.url}/v1/completions", MODEL, p_end, d_end, words=40)
+    assert bad.code == 200 and not bad.ok
+    assert bad.local_compute == bad.prompt_tokens and bad.external_kv_transfer == 0
+    assert "decode recomputed the prompt" in bad.detail
 
 
 def test_vllm_host_ip_is_advertised_and_bound(simhost):

@@ -555,3 +555,52 @@ def test_a_held_copy_gets_no_new_client_request_until_released_or_its_lease_ends
         keep.close()
     finally:
         f.stop()
+
+
+def test_routers_restart_when_the_watched_engine_ids_change(tmp_path: Path) -> None:
+    """--watch: a router that learns prefill engine ids at its start (vllm-router asking a Mooncake bootstrap
+    server) is restarted when a prefill engine comes back under a new id; meanwhile the state says they are stale."""
+    import http.server
+
+    ids = {"now": "prefill-a"}
+
+    class Bootstrap(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # the shape of vLLM's MooncakeBootstrapServer /query
+            body = json.dumps({"0": {"engine_id": ids["now"], "worker_addr": {"0": {"0": "tcp://10.0.0.1:5"}}}})
+            self.send_response(200 if ids["now"] else 503)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Bootstrap)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/query"
+    ports = free_ports(3)
+    state = tmp_path / "front.json"
+    argv = [sys.executable, str(FRONT), "run", "--listen", f"127.0.0.1:{ports[0]}", "--state", str(state),
+            "--router", f"{ports[1]}:{ports[2]}", "--watch", url, "--watch-interval", "0.2", "--grace", "10",
+            "--", sys.executable, str(FAKE_ROUTER)]
+    with (tmp_path / "front.log").open("w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    f = Front.__new__(Front)
+    f.state, f.proc = state, proc
+    try:
+        doc = f.wait(lambda d: (d.get("watch") or {}).get("routers_know") is not None)
+        assert doc["watch"]["routers_know"] == doc["watch"]["engine_ids"] == {url: ["prefill-a"]}
+        first_start = doc["routers"][0]["started_at"]
+        ids["now"] = ""  # the prefill engine is down: nothing to learn, nothing restarted
+        time.sleep(1)
+        assert f.doc()["routers"][0]["restarts"] == 0
+        ids["now"] = "prefill-b"  # back under a new id
+        doc = f.wait(lambda d: d["watch"]["routers_know"] == {url: ["prefill-b"]})
+        assert doc["routers"][0]["restarts"] == 1 and doc["routers"][0]["started_at"] > first_start
+        assert doc["watch"]["changed_at"] is not None and doc["reload"]["state"] == "done"
+        time.sleep(1)
+        assert f.doc()["routers"][0]["restarts"] == 1  # the same ids again: no further restart
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        server.shutdown()

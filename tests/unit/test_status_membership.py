@@ -84,3 +84,15 @@ def test_status_view_names_router_copies_that_lack_endpoints() -> None:
     text = con.export_text()
     assert "router copies list 3/2 endpoint(s)" in text
     assert "router 1 behind the proxy lacks decode-0-dp1" in text
+
+
+def test_stale_engine_ids_name_the_restarted_prefill_until_the_routers_know() -> None:
+    from kimictl.status import _stale_engine_ids
+
+    url_a, url_b = "http://10.0.0.1:36000/query", "http://10.0.0.2:36000/query"
+    known = {url_a: ["e1"], url_b: ["e2"]}
+    assert _stale_engine_ids(None) is None
+    assert _stale_engine_ids({"engine_ids": None, "routers_know": known}) is None  # a prefill is down: no news
+    assert _stale_engine_ids({"engine_ids": known, "routers_know": known}) is None
+    why = _stale_engine_ids({"engine_ids": {url_a: ["e1"], url_b: ["e3"]}, "routers_know": known})
+    assert why is not None and "10.0.0.2:36000" in why and "10.0.0.1" not in why and "restarts them" in why
