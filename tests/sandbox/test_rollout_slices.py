@@ -151,7 +151,11 @@ def cluster(sandbox_a3_4, tmp_path_factory):
     sb.inventory.write_text(yaml.safe_dump(doc, sort_keys=False))
     dep = kimictl("deploy", "-i", inv, "--topology", "a3-pd", "--yes", "--output", "json")
     assert dep.returncode == 0, dep.stderr[-3000:]
-    assert json.loads(dep.stdout)["smoke"]["prefill_prompt_tokens"] > 0  # the smoke test passed with the key
+    res = json.loads(dep.stdout)
+    if res["result"] == "no-changes":  # another module of this fixture (test_heal_run) deployed this release first
+        assert kimictl("status", "-i", inv).returncode == 0   # every engine answers, the pair probe passes with the key
+    else:
+        assert res["smoke"]["decode_external_kv_transfer_tokens"] > 0  # the smoke test passed with the key
     rendered = json.loads(kimictl("render", "-i", inv, "--topology", "a3-pd", "--output", "json").stdout)
     assert rendered["proxy"]["router"] == "vllm-ascend-proxy"
     engines = [e for e in rendered["engines"] if e["serves_http"]]
