@@ -203,6 +203,9 @@ class Deployer:
         from kimictl.weights import stage
 
         t0 = time.monotonic()
+        self.ops.reserve_ports(self.plan)
+        self.timings["reserve_ports"] = round(time.monotonic() - t0, 2)
+        t0 = time.monotonic()
         result = stage.pull(self.inv, stage.PullOptions(token=self.opts.hub_token,
                                                         accept_new_host_keys=self.opts.accept_new_host_keys),
                             stage.Reporter(self.say), self.manifest)

@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Any
 from kimictl import health, remote
 from kimictl.errors import HostError, guide
 from kimictl.inventory import Inventory
+from kimictl.remote import reserve_ports
 from kimictl.router_kinds import proxy_ready
 from kimictl.secret_file import engine_api_key, engine_key_file, proxy_admin_key, proxy_admin_key_path, proxy_api_key
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 
 if TYPE_CHECKING:
+    from kimictl.plan import Plan
     from kimictl.render import Rendered
 
 LIVE_STATES = ("starting", "running", "backoff")
@@ -232,7 +234,29 @@ class HostOps:
             "proxy_host": p.host if p else None, "api_key_file": self.inv.cluster.kimi_api_key_file,
             "admin_key_file": str(proxy_admin_key_path(self.inv.cluster.name)) if admin else None,
             "engine_key_file": str(key) if (key := engine_key_file(self.inv, rendered.plan.mode == "pd",
-                                                                   create=True)) else None}, hosts)
+                                                                   create=True)) else None,
+            **self._reserve_vars(rendered.plan)}, hosts)
+
+    def reserve_ports(self, plan: Plan) -> None:
+        """Keep every host's planned ports out of the ephemeral range now (ports.yml; deploy runs it before weights
+        staging, whose connections could otherwise take them); install_release does the same on every install."""
+        extra = self._reserve_vars(plan)
+        limited = {h.name for h in self.inv.hosts}
+        hosts = sorted(h for h in extra["reserve_ports"] if h in limited)
+        if hosts:
+            # kimictl's own SSH first, as before every playbook: it checks host keys (and with
+            # --accept-new-host-keys records new ones) and names a host it cannot reach, before Ansible's ssh does
+            self.observe(hosts)
+            self.playbook("ports.yml", extra, hosts)
+
+    def _reserve_vars(self, plan: Plan) -> dict[str, Any]:
+        if not self.inv.cluster.kimi_reserve_ports:
+            return {"reserve_ports": {}}
+        by_host: dict[str, list[tuple[int, int]]] = {}
+        for u in plan.ports:
+            by_host.setdefault(u.host, []).append((u.first, u.last))
+        return {"reserve_script": str(remote.source("reserve_ports.py")),
+                "reserve_ports": {h: reserve_ports.spell(reserve_ports.merge(r)) for h, r in by_host.items()}}
 
     def switch(self, releases: dict[str, str]) -> None:
         """Point each host's `current` at its release (switch.yml)."""

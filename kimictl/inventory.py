@@ -178,6 +178,8 @@ KEYS: dict[str, Key] = {
                                           "checkpoint; the sandbox's real-engine lane)"),
     "kimi_kv_connector": Key("cluster", "P/D KV connector of the engine profile: cpu-smoke has nixl (default) and "
                                         "mooncake; ascend takes none (the version profile's MooncakeConnectorV1)"),
+    "kimi_reserve_ports": Key("cluster", "true (default): keep the plan's fixed ports out of the kernel's ephemeral "
+                                         "range (net.ipv4.ip_local_reserved_ports); false: leave the hosts' sysctls"),
     "kimi_nic": Key("both", "NIC for HCCL/GLOO/TP sockets (required on every host, directly or via all.vars)"),
     "kimi_state_dir": Key("both", "kimictl state directory on the host, default /var/lib/kimi"),
     "kimi_engine_command": Key("both", "engine command replacing `vllm` (e.g. a simulator), default vllm"),
@@ -216,6 +218,7 @@ class ClusterSettings(BaseModel):
     kimi_python: Command = "python3"
     kimi_engine_profile: Literal["ascend", "cpu-smoke"] = "ascend"  # kimictl/data/engines/<name>.yml
     kimi_kv_connector: str | None = None  # one of the engine profile's kv_connectors (default: its first)
+    kimi_reserve_ports: bool = True  # playbooks/tasks/reserve_ports.yml
 
     @field_validator("kimi_kv_connector")
     @classmethod

@@ -24,7 +24,7 @@ rc=0
 # Host-side code runs on the hosts' own python3, down to the host Python floor (kimictl.HOST_PYTHON_FLOOR): its
 # tests run again with that interpreter starting the host code (KIMICTL_HOST_PYTHON).
 host_tests=(tests/unit/test_supervisor.py tests/unit/test_proxy_front.py tests/unit/test_weights_agent.py
-            tests/unit/test_engine_sim.py tests/unit/test_doubles.py)
+            tests/unit/test_engine_sim.py tests/unit/test_doubles.py tests/unit/test_reserve_ports.py)
 floor=$(.venv/bin/python -c 'from kimictl.sandbox.system import floor_python; print(floor_python() or "")')
 if [ -n "$floor" ]; then
   echo "test.sh: host-side tests with $floor ($("$floor" -V 2>&1))" >&2

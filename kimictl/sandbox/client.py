@@ -71,6 +71,8 @@ def inventory(hosts: list[HostSpec], hardware: str, directory: Path, *, mode: st
         "kimi_runtime": "host",
         "kimi_nic": CONTROL_NIC if mode == "netns" else "lo",
         "kimi_engine_command": engine_command,
+        # loopback hosts share this machine's network namespace and /etc: leave its sysctls alone
+        **({"kimi_reserve_ports": False} if mode == "loopback" else {}),
         **({"kimi_router_command": router_command()} if router_command() else {}),
         **({"kimi_proxy_script": proxy_script, "kimi_proxy_python": proxy_python()}
            if proxy_script and proxy_python() else {}),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -46,6 +47,10 @@ class SandboxHandle:
     @property
     def hosts(self) -> list[str]:
         return [h["name"] for h in self.state["hosts"]]
+
+    @property
+    def cluster(self) -> str:
+        return self.state["cluster"]
 
     @property
     def inventory(self) -> Path:
@@ -108,8 +113,11 @@ def _skip_without_namespaces(request):
 
 
 def _bring_up(directory: Path, *args: str):
+    """Each sandbox is its own cluster (named after its directory): kimictl's control-node state (current release,
+    history) is per cluster name, and the session shares one state dir."""
     _require_namespaces()
-    sandbox_cli("up", *args, "--dir", str(directory))
+    name = re.sub(r"[^a-z0-9-]", "-", directory.name.lower()).strip("-")[:63]
+    sandbox_cli("up", *args, "--name", name, "--dir", str(directory))
     handle = SandboxHandle(directory)
     try:
         yield handle

@@ -63,6 +63,20 @@ def test_first_deploy_serves_through_the_proxy(deployed) -> None:
     assert current.startswith("releases/")
 
 
+def test_deploy_keeps_every_planned_port_out_of_the_ephemeral_range(deployed) -> None:
+    from kimictl.remote.reserve_ports import parse
+
+    plan = json.loads(kimictl("plan", "-i", str(deployed.inventory), "--topology", "a3-pd", "--output", "json").stdout)
+    assert {u["host"] for u in plan["ports"]} == set(deployed.hosts)
+    for host in deployed.hosts:
+        live = parse(deployed.ssh(host, "cat /proc/sys/net/ipv4/ip_local_reserved_ports").stdout)
+        conf = deployed.ssh(host, "cat /etc/sysctl.d/90-kimictl-reserved-ports.conf").stdout
+        assert f"net.ipv4.ip_local_reserved_ports = {','.join(f'{a}-{b}' if a != b else str(a) for a, b in live)}" \
+            in conf
+        for use in (u for u in plan["ports"] if u["host"] == host):
+            assert any(a <= use["first"] and use["last"] <= b for a, b in live), (host, use, live)
+
+
 def test_second_deploy_is_a_no_op(deployed) -> None:
     before = {h: {n: s["child_pid"] for n, s in _supervised(deployed, h).items()} for h in deployed.hosts}
     proc = kimictl("deploy", "-i", str(deployed.inventory), "--topology", "a3-pd", "--yes", "--output", "json")

@@ -11,7 +11,6 @@ import urllib.request
 from typing import Any
 
 import pytest
-import yaml
 from conftest import _bring_up, kimictl
 
 from kimictl.observe import load_config, seconds
@@ -33,7 +32,6 @@ def monitored(tmp_path_factory):
     proc = kimictl("observe", "up", "-i", str(sb.inventory), "--profile", PROFILE, "--output", "json")
     sb.up_proc = proc
     sb.up = json.loads(proc.stdout) if proc.stdout.strip() else {}
-    sb.cluster = yaml.safe_load(sb.inventory.read_text())["all"]["vars"]["kimi_cluster"]
     yield sb
     gen.close()
 

@@ -61,7 +61,6 @@ def deployed(tmp_path_factory):
     sb = next(gen)
     proc = kimictl("deploy", "-i", str(sb.inventory), "--topology", "a3-pd", "--yes", "--output", "json")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    sb.cluster = yaml.safe_load(sb.inventory.read_text())["all"]["vars"]["kimi_cluster"]
     yield sb
     gen.close()
 

@@ -91,7 +91,7 @@ def test_sharded_pull_stages_identical_copies_from_one_hub_copy(sb):
     peers = sum(v for host in doc["hosts"] for k, v in host["received"].items() if k != "hub")
     assert peers == (len(sb.hosts) - 1) * sum(sizes.values())
     # the run's timeline: every file handed to one host's hub pull once, every host complete
-    runs = sorted((Path(os.environ["KIMICTL_STATE_DIR"]) / "sandbox" / "runs").glob("*-weights/timeline.jsonl"))
+    runs = sorted((Path(os.environ["KIMICTL_STATE_DIR"]) / sb.cluster / "runs").glob("*-weights/timeline.jsonl"))
     timeline = [json.loads(x) for x in runs[-1].read_text().splitlines()]
     from_hub = [p for e in timeline if e["ev"] == "hub" for p in e["paths"]]
     assert sorted(from_hub) == sorted(sizes)
@@ -315,7 +315,7 @@ def test_peer_key_serves_only_kimictls_rsync_from_cluster_hosts_and_a_killed_run
     kd = "/var/lib/kimi/weights"
     try:
         deadline = time.monotonic() + 120
-        while not all(sb.ssh(h, f"test -s {kd}/peer_key && grep -q kimictl-weights:sandbox ~/.ssh/authorized_keys"
+        while not all(sb.ssh(h, f"test -s {kd}/peer_key && grep -q kimictl-weights:{sb.cluster} ~/.ssh/authorized_keys"
                                 ).returncode == 0 for h in sb.hosts):
             assert time.monotonic() < deadline and proc.poll() is None, "the pull never installed its peer key"
             time.sleep(0.5)
