@@ -155,7 +155,15 @@ class Deployer:
                                 log_tail=self.ops.log_tail(p.host, p.id),
                                 hint="see `kimictl status`; fix the cause, or deploy a changed release")
             self.say("no changes: every engine and the proxy already run this release and answer")
-            self._record("no-changes", changes)
+            recorded = state.current(self.plan.cluster)
+            if recorded is None or recorded.release != self.release:
+                # Deployed from another control node, or this one's record is lost: what the hosts run and answer
+                # with becomes the current release here (rollout and rollback start from it).
+                self.say(f"recorded {self.release} as the current release (this control node's record said "
+                         f"{recorded.release if recorded else 'nothing'})")
+                self._record("deployed", changes, kind="adopted")
+            else:
+                self._record("no-changes", changes)
             return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "no-changes")
         try:
             self._converge(changes)
@@ -263,9 +271,10 @@ class Deployer:
         except KimictlError as exc:
             self.say(f"rollback incomplete: {exc.message}")
 
-    def _record(self, result: str, changes: list[Change]) -> None:
+    def _record(self, result: str, changes: list[Change], kind: str | None = None) -> None:
         state.record_release(self.plan.cluster, state.ReleaseRecord.now(
             release=self.release, cluster=self.plan.cluster, topology=self.plan.topology,
+            **({"kind": kind} if kind else {}),
             hosts=self.rendered.releases, result=result, run_dir=str(self.run_dir),
             changes=[asdict(c) | {"new": None, "old": None} for c in changes if c.action != "keep"]))
 

@@ -96,7 +96,7 @@ class ReleaseRecord(BaseModel):
     hosts: dict[str, str] = {}
     result: str = ""  # deployed | no-changes | failed | rolled-back
     run_dir: str | None = None
-    kind: str | None = None  # None: a deploy (or rollback); "rollout"
+    kind: str | None = None  # None: a deploy (or rollback); "rollout"; "adopted": the hosts already ran it
     attempted_release: str | None = None
     previous_release: str | None = None
     rollout_run_dir: str | None = None

@@ -280,6 +280,24 @@ def test_a_failed_smoke_rolls_back_and_a_good_deploy_switches_and_records(tmp_pa
     n_calls = len(ops.calls)
     again = _deploy(inv, new, ops, FakeHttp()).run()
     assert again.result == "no-changes" and ops.calls[n_calls:] == []
+    assert state.history(CLUSTER)[-1].result == "no-changes" and state.current(CLUSTER).release == res.release
+
+
+def test_a_no_changes_deploy_adopts_a_release_this_control_node_did_not_record(tmp_path: Path) -> None:
+    """The hosts run and answer with the release (deployed from another control node, or the record was lost):
+    it becomes current here, so rollout and rollback start from what runs."""
+    inv, old, new, ops = _deploy_setup(tmp_path)
+    res = _deploy(inv, new, ops, FakeHttp()).run()
+    assert res.result == "deployed"
+    state.record_release(CLUSTER, state.ReleaseRecord.now(release=state.release_id(old.releases), cluster=CLUSTER,
+                                                          hosts=old.releases, result="deployed"))
+    assert state.current(CLUSTER).release != res.release   # another control node's record, say
+    n_calls = len(ops.calls)
+    again = _deploy(inv, new, ops, FakeHttp()).run()
+    assert again.result == "no-changes" and ops.calls[n_calls:] == []
+    cur = state.current(CLUSTER)
+    assert (cur.release, cur.hosts, cur.kind, cur.result) == (res.release, new.releases, "adopted", "deployed")
+    assert state.history(CLUSTER)[-1].release == res.release
 
 
 # --- rollout -----------------------------------------------------------------------------------------------
