@@ -112,11 +112,11 @@ def _skip_without_namespaces(request):
         _require_namespaces()
 
 
-def _bring_up(directory: Path, *args: str):
-    """Each sandbox is its own cluster (named after its directory): kimictl's control-node state (current release,
-    history) is per cluster name, and the session shares one state dir."""
+def _bring_up(directory: Path, *args: str, name: str | None = None):
+    """Each sandbox is its own cluster (default: named after its directory): kimictl's control-node state (current
+    release, history) is per cluster name, and the session shares one state dir."""
     _require_namespaces()
-    name = re.sub(r"[^a-z0-9-]", "-", directory.name.lower()).strip("-")[:63]
+    name = name or re.sub(r"[^a-z0-9-]", "-", directory.name.lower()).strip("-")[:63]
     sandbox_cli("up", *args, "--name", name, "--dir", str(directory))
     handle = SandboxHandle(directory)
     try:
@@ -127,8 +127,10 @@ def _bring_up(directory: Path, *args: str):
 
 @pytest.fixture(scope="session")
 def sandbox_a3(tmp_path_factory):
-    """Two Atlas 800 A3 hosts (16 dies each), up for the whole session."""
-    yield from _bring_up(tmp_path_factory.mktemp("sb-a3"), "--hosts", "2", "--hardware", "atlas-800-a3")
+    """Two Atlas 800 A3 hosts (16 dies each), up for the whole session, under `sandbox up`'s default name: the
+    operators' guide and test_sandbox_hosts run `kimictl sandbox up` on it again, which must find it already up."""
+    yield from _bring_up(tmp_path_factory.mktemp("sb-a3"), "--hosts", "2", "--hardware", "atlas-800-a3",
+                         name="sandbox")
 
 
 @pytest.fixture(scope="session")
