@@ -64,15 +64,14 @@ def test_first_deploy_serves_through_the_proxy(deployed) -> None:
 
 
 def test_deploy_keeps_every_planned_port_out_of_the_ephemeral_range(deployed) -> None:
-    from kimictl.remote.reserve_ports import parse
+    from kimictl.remote.reserve_ports import parse, spell
 
     plan = json.loads(kimictl("plan", "-i", str(deployed.inventory), "--topology", "a3-pd", "--output", "json").stdout)
     assert {u["host"] for u in plan["ports"]} == set(deployed.hosts)
     for host in deployed.hosts:
         live = parse(deployed.ssh(host, "cat /proc/sys/net/ipv4/ip_local_reserved_ports").stdout)
         conf = deployed.ssh(host, "cat /etc/sysctl.d/90-kimictl-reserved-ports.conf").stdout
-        assert f"net.ipv4.ip_local_reserved_ports = {','.join(f'{a}-{b}' if a != b else str(a) for a, b in live)}" \
-            in conf
+        assert f"net.ipv4.ip_local_reserved_ports = {spell(live)}\n" in conf
         for use in (u for u in plan["ports"] if u["host"] == host):
             assert any(a <= use["first"] and use["last"] <= b for a, b in live), (host, use, live)
 
