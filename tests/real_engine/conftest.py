@@ -111,10 +111,6 @@ def lane_inventory(sb, out: Path, *, cluster: str, hosts: list[str], lane_python
         "kimi_cluster": cluster,
         "kimi_engine_profile": "cpu-smoke",
         "kimi_engine_command": lane_python,
-        # Not understood yet: with the lane's ports reserved (the NIXL run's, then its own), the Mooncake run's KV
-        # push or bootstrap query hung in 2 of 2 full-suite runs (it passes alone, and passed before reservation).
-        # The lane runs as it did before kimi_reserve_ports; the sandbox tests cover the reservation.
-        "kimi_reserve_ports": False,
         **source,
         **extra,
     })

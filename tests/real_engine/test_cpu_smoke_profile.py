@@ -83,7 +83,9 @@ def test_colocated_renders_the_lane_command_without_ascend_parts(tmp_path: Path)
     assert _flag(e.argv, "--served-model-name") == plan.served_model_name == "kimi-k2.5-tiny"
     for flag in ("--quantization", "--additional-config", "--kv-transfer-config"):
         assert flag not in e.argv
-    assert sorted(e.env) == ["GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "VLLM_HOST_IP"]
+    assert sorted(e.env) == ["GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_HOST_IP"]
+    # sandbox hosts share the machine's cores: vLLM must not pin every engine's threads to the cores it picks
+    assert e.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
     assert e.env_prepend == {}
     assert sorted(r.files["atlas-01"]) == ["engines/colocated-0-n0.env", "engines/colocated-0-n0.sh",
                                           "manifest.json"]
@@ -106,7 +108,8 @@ def test_pd_moves_kv_with_nixl_over_the_hosts_nic_by_default(tmp_path: Path) -> 
         # UCX over TCP on the host's NIC; the side channel on the host's IP at the instance's port
         assert {k: e.env[k] for k in e.env if k.startswith(("UCX_", "VLLM_"))} == {
             "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth0", "VLLM_HOST_IP": ips[role],
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": ips[role], "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port)}
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": ips[role], "VLLM_NIXL_SIDE_CHANNEL_PORT": str(port),
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         assert "PYTHONPATH" not in e.env
     for e in by_role.values():  # DP size 1: vLLM refuses --data-parallel-rank (external load balancing)
         assert "--data-parallel-rank" not in e.argv and _flag(e.argv, "--data-parallel-size") == "1"
