@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -72,6 +73,14 @@ _IPV4_ONLY = ("kimictl supports IPv4 only (engine and proxy URLs, HCCL_IF_IP, th
               "transfers are built from it); give the host's IPv4 address")
 
 
+def _one_host(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> None:
+    """Refuse addresses that name no single host: 0.0.0.0 (every address of the control node), multicast and
+    the broadcast address."""
+    if ip.is_unspecified or ip.is_multicast or ip == ipaddress.IPv4Address("255.255.255.255"):
+        kind = "the unspecified" if ip.is_unspecified else "a multicast" if ip.is_multicast else "the broadcast"
+        raise ValueError(f"{str(ip)!r} is {kind} address, not one host's; give the host's own address")
+
+
 def _address(v: str) -> str:
     try:
         ip = ipaddress.ip_address(v)
@@ -81,6 +90,7 @@ def _address(v: str) -> str:
         return v
     if ip.version == 6:
         raise ValueError(f"{v!r} is an IPv6 address; {_IPV4_ONLY} or a DNS name")
+    _one_host(ip)
     return v
 
 
@@ -92,6 +102,7 @@ def _ipv4(why: str):
             raise ValueError(f"{v!r} is not an IP address") from None
         if ip.version == 6:
             raise ValueError(f"{v!r} is an IPv6 address; {why}")
+        _one_host(ip)
         return str(ip)
 
     return check
@@ -546,6 +557,11 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
                 c.err(line, f"host {h.name}: address {addr} is also host {seen_addr[addr]} "
                             "(each host needs its own ansible_host / kimi_host_ip)")
             seen_addr.setdefault(addr, h.name)
+        for key in ("ansible_ssh_common_args", "ansible_ssh_extra_args"):
+            try:
+                shlex.split(str(h.ansible_vars.get(key, "")))
+            except ValueError as exc:   # ssh, Ansible and kimictl's probes would each read it differently
+                c.err(line, f"host {h.name}: {key}: {exc} (quotes must balance)")
         try:
             ipaddress.ip_address(h.ansible_host)
         except ValueError:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kimictl import known_hosts as hostkeys
+from kimictl.errors import InvalidInput
 from kimictl.inventory import Host, Inventory
 
 T = TypeVar("T")
@@ -106,16 +107,37 @@ def _common_args(args: str) -> dict[str, Any]:
     return out
 
 
+def _host_args(host: Host) -> dict[str, Any]:
+    """_common_args of the host's ansible_ssh_common_args and ansible_ssh_extra_args; exit 2 naming the host and
+    the key when one cannot be read (an unbalanced quote, a port that is no number)."""
+    out: dict[str, Any] = {"known_hosts": [], "keys": []}
+    for key in ("ansible_ssh_common_args", "ansible_ssh_extra_args"):
+        try:
+            got = _common_args(str(host.ansible_vars.get(key, "")))
+        except ValueError as exc:
+            raise InvalidInput(f"host {host.name}: {key}: {exc}",
+                               hint="write it as ssh's command line would take it (quotes balanced)") from None
+        out["known_hosts"] += got.pop("known_hosts")
+        out["keys"] += got.pop("keys")
+        out.update(got)
+    port = host.ansible_vars.get("ansible_port", out.get("port", 22))
+    try:
+        out["port"] = int(port)
+    except (TypeError, ValueError):
+        raise InvalidInput(f"host {host.name}: ansible_port {port!r} is not a port number") from None
+    return out
+
+
 def target_for(host: Host) -> Target:
     v = host.ansible_vars
-    extra = _common_args(" ".join(str(v.get(k, "")) for k in ("ansible_ssh_common_args", "ansible_ssh_extra_args")))
+    extra = _host_args(host)
     keys = [v["ansible_ssh_private_key_file"]] if v.get("ansible_ssh_private_key_file") else []
     keys += extra["keys"]
     known = extra["known_hosts"] or ["~/.ssh/known_hosts", "~/.ssh/known_hosts2"]   # OpenSSH's default
     return Target(
         name=host.name,
         address=host.ansible_host,
-        port=int(v.get("ansible_port", extra.get("port", 22))),
+        port=extra["port"],
         user=str(v.get("ansible_user", extra.get("user", "root"))),
         key_files=tuple(os.path.expanduser(k) for k in keys),
         known_hosts=tuple(os.path.expanduser(k) for k in known),

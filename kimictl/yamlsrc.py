@@ -25,18 +25,24 @@ class _LineLoader(yaml.SafeLoader):
 
 
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> LineMap:
+    # Merge keys (`<<: *defaults`) read the way Ansible reads them: the merged mappings' keys first, each key
+    # written in this mapping wins over a merged one; only a key written twice in this mapping is a duplicate.
+    own = {id(k) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"}
     loader.flatten_mapping(node)
     out = LineMap()
     out.line = node.start_mark.line + 1
     out.key_lines = {}
+    written: set[str] = set()
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
         if not isinstance(key, str):
             key = str(key)
-        if key in out:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key '{key}' (first at line {out.key_lines[key]})", key_node.start_mark
-            )
+        if id(key_node) in own:
+            if key in written:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key '{key}' (first at line {out.key_lines[key]})", key_node.start_mark
+                )
+            written.add(key)
         out[key] = loader.construct_object(value_node, deep=True)
         out.key_lines[key] = key_node.start_mark.line + 1
     return out
@@ -82,16 +88,52 @@ def _children(node: yaml.Node) -> list[yaml.Node]:
     return []
 
 
-def load_yaml(path: Path, what: str) -> Any:
-    """Parse a YAML file; syntax errors become InvalidInput naming file:line."""
+MAX_BYTES = 16 << 20   # far above any inventory or topology; /dev/zero and the like stop here
+
+
+def _read(path: Path, what: str) -> str:
+    """The file's text, read at most MAX_BYTES (a device or a pipe that never ends is refused, not read forever)."""
     try:
-        text = path.read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
     except FileNotFoundError:
         raise InvalidInput(f"{what} not found: {path}") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise InvalidInput(f"cannot read {what} {path}: {exc}") from None
-    loader = _LineLoader(text)
+    except OSError as exc:
+        raise InvalidInput(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if len(data) > MAX_BYTES:
+        raise InvalidInput(f"{what} {path} is larger than {MAX_BYTES >> 20} MiB: not an {what} file")
     try:
+        return data.decode()
+    except UnicodeDecodeError as exc:
+        line = data[:exc.start].count(b"\n") + 1
+        raise InvalidInput(f"{path}:{line}: {what} is not UTF-8 text (byte {data[exc.start]:#04x})") from None
+
+
+def _oversized_path(node: yaml.Node, cap: int) -> tuple[str, yaml.Node]:
+    """Where an oversized document grows: the key path down to the smallest value that still expands past cap."""
+    path: list[str] = []
+    while True:
+        if isinstance(node, yaml.MappingNode):
+            pairs = [(k, v) for k, v in node.value]
+        elif isinstance(node, yaml.SequenceNode):
+            pairs = [(None, v) for v in node.value]
+        else:
+            break
+        big = next(((k, v) for i, (k, v) in enumerate(pairs) if _expanded_size(v, cap)[0] > cap), None)
+        if big is None:
+            break
+        key, node = big
+        index = [v for _, v in pairs].index(node)
+        path.append(str(key.value) if isinstance(key, yaml.ScalarNode) else f"[{index}]")
+    return ".".join(path).replace(".[", "["), node
+
+
+def load_yaml(path: Path, what: str) -> Any:
+    """Parse a YAML file; syntax errors become InvalidInput naming file:line."""
+    text = _read(path, what)
+    loader = None
+    try:
+        loader = _LineLoader(text)
         node = loader.get_single_node()
         if node is None:
             return None
@@ -100,19 +142,27 @@ def load_yaml(path: Path, what: str) -> Any:
             raise InvalidInput(f"{path}:{loop.start_mark.line + 1}: the YAML anchor (&name) here is used inside "
                                f"itself (*name), so the {what} never ends")
         if size > MAX_EXPANDED_NODES:
-            raise InvalidInput(f"{path}: {what} expands to more than {MAX_EXPANDED_NODES} values through YAML "
-                               "aliases (*name); write the values out or use fewer nested aliases")
+            key, where = _oversized_path(node, MAX_EXPANDED_NODES)
+            raise InvalidInput(f"{path}:{where.start_mark.line + 1}: {key or what} expands to more than "
+                               f"{MAX_EXPANDED_NODES} values through YAML aliases (*name); write the values out or "
+                               "use fewer nested aliases")
         return loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise InvalidInput(f"{where}: invalid YAML in {what}: {exc.problem or exc}") from None
+    except yaml.reader.ReaderError as exc:
+        line = text[:exc.position].count("\n") + 1
+        char = exc.character if isinstance(exc.character, int) else ord(exc.character)
+        raise InvalidInput(f"{path}:{line}: invalid YAML in {what}: the character U+{char:04X} is not allowed "
+                           "in YAML") from None
     except yaml.YAMLError as exc:
         raise InvalidInput(f"{path}: invalid YAML in {what}: {exc}") from None
     except RecursionError:
         raise InvalidInput(f"{path}: {what} is nested too deeply to read") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def yaml_type_hint(value: Any) -> str:

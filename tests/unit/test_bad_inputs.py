@@ -274,6 +274,14 @@ CASES: list[Case] = [
     # --- IPv6: refused with a message naming the host and key (URLs, HCCL and peer transfers are IPv4) ----------
     Case("ipv6-ansible-host", "inv-ipv6-ansible-host.yml", "a3-pd",
          ("host a3-d", "ansible_host", "'fd00::2' is an IPv6 address", "IPv4 only"), at="a3-d:"),
+    # --- addresses that name no single host, SSH options nobody can read (issue 27) ------------------------------
+    Case("ansible-host-unspecified", _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "ansible_host": "0.0.0.0"}}), "a3-pd",
+         ("host a3-d", "ansible_host", "'0.0.0.0' is the unspecified address"), at="ansible_host: 0.0.0.0"),
+    Case("host-ip-multicast", _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "kimi_host_ip": "224.0.0.1"}}), "a3-pd",
+         ("host a3-d", "kimi_host_ip", "multicast"), at="kimi_host_ip:"),
+    Case("ssh-args-unbalanced-quote",
+         _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "ansible_ssh_common_args": "-o 'UserKnownHostsFile=/x"}}), "a3-pd",
+         ("host a3-d", "ansible_ssh_common_args", "No closing quotation")),
     Case("ipv6-host-ip", _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "kimi_host_ip": "fd00::2"}}), "a3-pd",
          ("host a3-d", "kimi_host_ip", "IPv6", "IPv4 only"), at="kimi_host_ip:"),
     Case("ipv6-device-ip", _inv({}, {"a3-p": {**A3P, "kimi_device_ips": [f"fd00::{i + 1}" for i in range(16)]}}),
@@ -331,8 +339,17 @@ CASES: list[Case] = [
     Case("engine-bind-unknown", "good-a3-2.yml", _pd(engine_bind="localhost"), ("engine_bind", "host-ip", "all")),
     # --- YAML that explodes or never ends --------------------------------------------------------------------------
     Case("alias-bomb-topology", "good-a3-2.yml", "topo-alias-bomb.yml",
-         ("topo-alias-bomb.yml", "more than 100000 values", "aliases")),
-    Case("alias-bomb-inventory", "inv-alias-bomb.yml", "a3-pd", ("inv-alias-bomb.yml", "more than 100000 values")),
+         ("topo-alias-bomb.yml", "serve.additional-config.l5", "more than 100000 values", "aliases"), at="l5:",
+         at_file="topology"),
+    Case("alias-bomb-inventory", "inv-alias-bomb.yml", "a3-pd",
+         ("inv-alias-bomb.yml", "all.vars.l5", "more than 100000 values"), at="l5:"),
+    # --- files that are not YAML text (issue 27): refused without reading them forever or a traceback --------------
+    Case("inventory-dev-zero", "/dev/zero", "a3-pd", ("inventory /dev/zero", "larger than 16 MiB")),
+    Case("inventory-dev-urandom", "/dev/urandom", "a3-pd", ("inventory /dev/urandom", "larger than 16 MiB")),
+    Case("topology-dev-zero", "good-a3-2.yml", "/dev/zero", ("topology /dev/zero", "larger than 16 MiB")),
+    Case("inventory-nul-byte", "inv-nul-byte.yml", "a3-pd", ("inv-nul-byte.yml", "U+0000", "not allowed"),
+         at="kimi_cluster:"),
+    Case("inventory-is-a-directory", "/", "a3-pd", ("cannot read inventory /", "directory")),
     Case("alias-loop-inventory", "inv-alias-loop.yml", "a3-pd", ("used inside itself",), at="all: &all"),
     Case("nested-too-deep", "inv-nested-too-deep.yml", "a3-pd", ("inv-nested-too-deep.yml", "nested too deeply")),
 ]

@@ -180,3 +180,48 @@ b:
     text = err.value.render()
     assert f"{path}:5: group a: ansible_group_priority must be an integer, got 'high'" in text
     assert "is its own ancestor" in text
+
+
+MERGED = """
+all:
+  vars:
+    kimi_cluster: c1
+    kimi_model_dir: /m
+    defaults: &defaults {kimi_hardware: atlas-800-a3, kimi_nic: eth0, ansible_user: admin}
+    racked: &racked {kimi_nic: bond0, kimi_role: decode}
+  hosts:
+    n1:
+      <<: *defaults
+      ansible_host: 10.1.0.1
+      kimi_nic: ib0
+    n2:
+      <<: [*racked, *defaults]
+      ansible_host: 10.1.0.2
+"""
+
+
+def test_yaml_merge_keys_read_the_way_ansible_reads_them(tmp_path: Path) -> None:
+    """`<<: *defaults` merges a mapping and a key written beside it wins; a list of merges as Ansible reads it.
+    Checked against ansible-inventory itself."""
+    import json
+    import subprocess
+    import sys
+
+    path = _write(tmp_path, MERGED)
+    tool = Path(sys.executable).with_name("ansible-inventory")
+    out = subprocess.run([str(tool), "-i", str(path), "--list"], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
+                              "HOME": str(tmp_path)})
+    want = json.loads(out.stdout)["_meta"]["hostvars"]
+    inv = load_inventory(path)
+    for h in inv.hosts:
+        for k in ("kimi_nic", "kimi_role", "ansible_user", "kimi_hardware", "ansible_host"):
+            got = h.ansible_vars.get(k, getattr(h, k, None))
+            assert got == want[h.name].get(k), (h.name, k, got, want[h.name].get(k))
+    assert [h.kimi_nic for h in inv.hosts] == ["ib0", "eth0"]   # as ansible-inventory reads a list of merges
+
+
+def test_a_key_written_twice_is_still_a_duplicate_beside_a_merge(tmp_path: Path) -> None:
+    text = MERGED.replace("      kimi_nic: ib0\n", "      kimi_nic: ib0\n      kimi_nic: ib1\n")
+    with pytest.raises(Exception, match=r"inv.yml:13: .*duplicate key 'kimi_nic' \(first at line 12\)"):
+        load_inventory(_write(tmp_path, text))

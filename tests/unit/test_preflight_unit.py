@@ -370,3 +370,18 @@ def test_rt004_host_tools(tmp_path: Path, sections: dict, status: str, says: str
     (r,) = j.results
     assert (r.id, r.status) == ("RT-004", status) and says in r.message
     assert status == "pass" or "docs/operators.md#t-rt-004" in r.fix
+
+
+@pytest.mark.parametrize(("key", "value", "why"), [
+    ("ansible_ssh_common_args", "-o 'UserKnownHostsFile=/x", "No closing quotation"),
+    ("ansible_ssh_extra_args", "-p twenty-two", "invalid literal"),
+    ("ansible_port", "ssh", "not a port number"),
+])
+def test_ssh_arguments_nobody_can_read_name_the_host_and_key(key: str, value: str, why: str) -> None:
+    """Preflight, logs and every probe build their SSH target here: a bad value is bad input, not a traceback."""
+    from kimictl.errors import InvalidInput
+
+    host = load_inventory(ROOT / "inventories" / "a3-pd.yml").hosts[0]
+    host = host.model_copy(update={"ansible_vars": {**host.ansible_vars, key: value}})
+    with pytest.raises(InvalidInput, match=f"host {host.name}: (ansible_port|{key}).*{why}"):
+        target_for(host)
