@@ -11,13 +11,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kimictl import health, state
+from kimictl.cluster_secrets import proxy_admin_key
 from kimictl.errors import HostError, InvalidInput, KimictlError, guide
 from kimictl.facts import engine_profile
 from kimictl.hostops import ROLLBACK_READY_TIMEOUT_S, Change, HostOps, Proc, compute_changes, desired_procs
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import Rendered
-from kimictl.secret_file import proxy_admin_key
+from kimictl.rundir import run_snapshot, save_run
 from kimictl.ssh import Sessions, SSHError
 
 
@@ -132,7 +133,7 @@ class Deployer:
             self._weights()
         elif self.inv.cluster.kimi_model_source == "local":
             self.say(f"weights: kimi_model_source is local; engines load what is in {self.inv.cluster.kimi_model_dir}")
-        state.save_run(self.run_dir, self.rendered, self.full_rendered)
+        save_run(self.run_dir, self.rendered, self.full_rendered)
         procs = desired_procs(self.rendered, self.inv)
         observed = self.ops.observe()
         changes = compute_changes(procs, observed)
@@ -342,4 +343,4 @@ def rollback_target(cluster: str, to: str | None = None) -> tuple[state.ReleaseR
         if not older:
             raise InvalidInput(f"cluster {cluster} has only one deployed release ({current}); nothing to roll back to")
         target = older[-1]
-    return target, state.run_snapshot(target, "release")
+    return target, run_snapshot(target, "release")

@@ -16,11 +16,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kimictl import health, remote
+from kimictl.cluster_secrets import (
+    engine_api_key,
+    engine_key_file,
+    proxy_admin_key,
+    proxy_admin_key_path,
+    proxy_api_key,
+)
 from kimictl.errors import HostError, guide
 from kimictl.inventory import Inventory
 from kimictl.remote import reserve_ports
 from kimictl.router_kinds import proxy_ready
-from kimictl.secret_file import engine_api_key, engine_key_file, proxy_admin_key, proxy_admin_key_path, proxy_api_key
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 
 if TYPE_CHECKING:

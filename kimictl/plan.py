@@ -170,7 +170,7 @@ class Plan(_Model):
     switches: list[SwitchDecision]
     ports: list[PortUse]
     warnings: list[str]
-    # Engines require an API key (kimi_api_key_file is set; secret_file.engine_key_file says which key), delivered
+    # Engines require an API key (kimi_api_key_file is set; cluster_secrets.engine_key_file says which key), delivered
     # from a 0600 env file on the host; they listen on the host's business IP unless the topology's engine_bind is all.
     engine_api_key: bool = False
     engine_bind: str = "host-ip"

@@ -1,4 +1,4 @@
-"""Control-node state per cluster, and its only reader and writer.
+"""Control-node state per cluster: where it lives, and the reader and writer of its records.
 
 Everything kimictl remembers about a cluster lives under $KIMICTL_STATE_DIR/<cluster>/ (default
 ~/.local/state/kimictl/<cluster>/):
@@ -9,7 +9,9 @@ Everything kimictl remembers about a cluster lives under $KIMICTL_STATE_DIR/<clu
   preflight.json         the last preflight report (for `logs --bundle`)
   heal-events.jsonl      what `kimictl heal` found and did: one JSON event per line (its flap damping counts them)
   runs/<stamp>-<name>/   one directory per run: rendered files, plan.json, rendered.json (a release can be
-                         deployed again from it), the rollout's effective topology.yml, Ansible artifacts
+                         deployed again from it), the rollout's effective topology.yml (written and read back by
+                         kimictl/rundir.py), Ansible artifacts
+  secrets/               the keys kimictl makes for the cluster (kimictl/cluster_secrets.py)
   weights.lock, weights-small/   the weights stage's lock and small-file cache
 
 Error policy, the same for every file: a missing record is "nothing recorded" (None, or an empty history); a
@@ -26,14 +28,11 @@ import json
 import os
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kimictl.errors import StateError
-
-if TYPE_CHECKING:
-    from kimictl.render import Rendered
 
 RELEASES = "releases.jsonl"
 CURRENT = "current.json"
@@ -69,7 +68,7 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def _read_text(path: Path) -> str | None:
+def read_text(path: Path) -> str | None:
     """The file's text; None when it does not exist; StateError when it exists but cannot be read."""
     try:
         return path.read_text()
@@ -129,7 +128,7 @@ def _parse_record(text: str, where: str, repair: str) -> ReleaseRecord:
 def history(cluster: str) -> list[ReleaseRecord]:
     """Every recorded release attempt, oldest first (empty when nothing was ever deployed)."""
     path = control_dir(cluster) / RELEASES
-    text = _read_text(path)
+    text = read_text(path)
     out: list[ReleaseRecord] = []
     for n, line in enumerate((text or "").splitlines(), 1):
         if line.strip():
@@ -142,7 +141,7 @@ def history(cluster: str) -> list[ReleaseRecord]:
 def current(cluster: str) -> ReleaseRecord | None:
     """The last deployed release (current.json), or None when none is recorded."""
     path = control_dir(cluster) / CURRENT
-    text = _read_text(path)
+    text = read_text(path)
     if text is None:
         return None
     return _parse_record(text, f"the current-release record {path}",
@@ -199,7 +198,7 @@ def heal_events(cluster: str) -> list[dict[str, Any]]:
     """Every recorded heal event, oldest first (empty when heal never ran)."""
     path = heal_events_path(cluster)
     out: list[dict[str, Any]] = []
-    for n, line in enumerate((_read_text(path) or "").splitlines(), 1):
+    for n, line in enumerate((read_text(path) or "").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -214,50 +213,12 @@ def heal_events(cluster: str) -> list[dict[str, Any]]:
     return out
 
 
-# --- run directories -----------------------------------------------------------------------------------------
-
-
-def save_run(run_dir: Path, rendered: Rendered, full: Rendered, topology_yaml: str | None = None) -> None:
-    """What a run deploys: the files of the hosts it touches (rendered/), the plan, the whole render as
-    rendered.json (enough to deploy this release again without the topology file) and, for a rollout, the
-    effective topology (the next rollout's default)."""
-    from kimictl.render import write_rendered
-
-    write_rendered(rendered, run_dir / "rendered")
-    (run_dir / "plan.json").write_text(json.dumps(full.plan.model_dump(mode="json"), indent=1))
-    (run_dir / "rendered.json").write_text(full.model_dump_json())
-    if topology_yaml is not None:
-        (run_dir / "topology.yml").write_text(topology_yaml)
-
-
-def run_snapshot(rec: ReleaseRecord, what: str) -> Rendered:
-    """The render a recorded release was deployed from (its run directory's rendered.json)."""
-    from kimictl.render import Rendered
-
-    snap = Path(rec.run_dir or "") / "rendered.json"
-    text = _read_text(snap) if rec.run_dir else None
-    if text is None:
-        raise StateError(f"{what} {rec.release} has no render snapshot ({snap})",
-                         hint="converge with `kimictl deploy` once; its run directory keeps one")
-    try:
-        return Rendered.model_validate_json(text)
-    except ValidationError as exc:
-        raise StateError(f"the render snapshot {snap} of release {rec.release} is damaged "
-                         f"({exc.error_count()} error(s))", hint="converge with `kimictl deploy` once") from None
-
-
-def run_topology(rec: ReleaseRecord) -> Path | None:
-    """The effective topology a rollout wrote into the run directory of this release, if any."""
-    path = Path(rec.run_dir or "") / "topology.yml"
-    return path if rec.run_dir and path.exists() else None
-
-
 # --- caches and reports ------------------------------------------------------------------------------------
 
 
 def read_manifest_cache(cluster: str) -> str | None:
     """The cached weights manifest (JSON text), or None when none is cached."""
-    return _read_text(control_dir(cluster) / MANIFEST_CACHE)
+    return read_text(control_dir(cluster) / MANIFEST_CACHE)
 
 
 def write_manifest_cache(cluster: str, manifest_json: str) -> None:

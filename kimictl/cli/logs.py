@@ -38,9 +38,9 @@ def logs(
     output: OutputOpt = Output.text,
 ) -> None:
     """Tail each engine's and the proxy's log, or collect everything into one redacted tarball."""
+    from kimictl.cluster_secrets import engine_api_key, proxy_admin_key, proxy_api_key
     from kimictl.inventory import load_inventory
     from kimictl.logs import Redactor, build_bundle, tail_logs
-    from kimictl.secret_file import engine_api_key, proxy_admin_key, proxy_api_key
 
     inv = load_inventory(inventory).limited(host)
     redactor = Redactor.from_config(secrets_file=secrets_file,

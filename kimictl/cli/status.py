@@ -80,9 +80,9 @@ def bench(
 ) -> None:
     """Load the serving endpoint (the P/D proxy, or the engine) and report TTFT/TPOT percentiles against the SLO."""
     from kimictl.bench import BenchSpec, run_bench
+    from kimictl.cluster_secrets import proxy_api_key
     from kimictl.errors import KimictlError
     from kimictl.inventory import load_inventory
-    from kimictl.secret_file import proxy_api_key
     from kimictl.status import collect_status
 
     inv = load_inventory(inventory)

@@ -23,6 +23,7 @@ from kimictl.rollout.overrides import Setting, apply_sets, effective_topology_ya
 from kimictl.rollout.router import AscendProxyAdmin, FrontControl, RouterAdmin
 from kimictl.rollout.slices import Analysis, Batch, Endpoint, Slice, analyze, choose_order, plan_batches
 from kimictl.rollout.steps import SliceSteps, StepOptions
+from kimictl.rundir import run_snapshot, run_topology, save_run
 from kimictl.topology import Topology
 
 ROLLOUT_SCHEMA_VERSION = 1
@@ -84,12 +85,12 @@ def deployed_release(cluster: str) -> tuple[state.ReleaseRecord, Rendered]:
         raise InvalidInput(f"no current release of cluster {cluster} is recorded "
                            f"({state.control_dir(cluster) / state.CURRENT}); nothing to roll out from",
                            hint="deploy first: kimictl deploy -i INV --topology T")
-    return rec, state.run_snapshot(rec, f"the current release of {cluster},")
+    return rec, run_snapshot(rec, f"the current release of {cluster},")
 
 
 def recorded_topology(rec: state.ReleaseRecord, old: Rendered) -> str:
     """The topology the current release was made from: the effective file a rollout wrote, else the source."""
-    eff = state.run_topology(rec)
+    eff = run_topology(rec)
     if eff is not None:
         return str(eff)
     src = old.plan.topology_source
@@ -214,7 +215,7 @@ class Rollout(SliceSteps):
             result.result = "no-changes"
             return result
         result.run_dir = str(self.run_dir)
-        state.save_run(self.run_dir, self.new, self.new, effective_topology_yaml(self.topo))
+        save_run(self.run_dir, self.new, self.new, effective_topology_yaml(self.topo))
         try:
             self._install(sorted(a.changed_hosts))
             for i, b in enumerate(batches):

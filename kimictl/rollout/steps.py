@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kimictl import health
+from kimictl.cluster_secrets import engine_api_key, proxy_admin_key
 from kimictl.errors import HostError, InvalidInput
 from kimictl.facts import engine_profile
 from kimictl.hostops import HostObservation, HostOps, Proc
@@ -31,7 +32,6 @@ from kimictl.rollout.router import (
 )
 from kimictl.rollout.slices import Endpoint, Slice, slices_of
 from kimictl.router_kinds import router_kind
-from kimictl.secret_file import engine_api_key, proxy_admin_key
 
 
 @dataclass

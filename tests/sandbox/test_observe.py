@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from conftest import _bring_up, kimictl
 
+from kimictl.cluster_secrets import proxy_admin_key
 from kimictl.observe import load_config, seconds
-from kimictl.secret_file import proxy_admin_key
 
 pytestmark = pytest.mark.sandbox
 

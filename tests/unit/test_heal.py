@@ -18,6 +18,7 @@ from kimictl.heal import Healer, HealOptions
 from kimictl.hostops import desired_procs
 from kimictl.plan import make_plan
 from kimictl.render import render
+from kimictl.rundir import save_run
 from kimictl.topology import Heal as TopologyHeal
 from kimictl.topology import load_topology
 from tests.unit.test_orchestration import CLUSTER, FakeFront, FakeHttp, FakeInstances, FakeOps, _inventory, _running
@@ -77,7 +78,7 @@ def _cluster(tmp_path: Path, hosts: int = 4, opts: HealOptions | None = None, cl
     topo = load_topology("a3-pd")
     rendered = render(make_plan(inv, topo), inv, topo)
     run_dir = tmp_path / "runs" / "deploy"
-    state.save_run(run_dir, rendered, rendered)
+    save_run(run_dir, rendered, rendered)
     rec = state.ReleaseRecord.now(release=state.release_id(rendered.releases), cluster=CLUSTER, topology="a3-pd",
                                   hosts=rendered.releases, result="deployed", run_dir=str(run_dir))
     state.record_release(CLUSTER, rec)

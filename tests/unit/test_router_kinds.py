@@ -186,7 +186,7 @@ def test_vllm_router_cannot_send_the_engines_key_so_it_is_refused_with_one(tmp_p
 
 
 def test_the_engines_key_is_kimictls_own_in_pd_and_the_clients_colocated(tmp_path: Path, monkeypatch) -> None:
-    from kimictl.secret_file import engine_api_key, engine_key_file
+    from kimictl.cluster_secrets import engine_api_key, engine_key_file
 
     monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "state"))
     inv = load_inventory(_inv(tmp_path, kimi_api_key_file=str(_key(tmp_path))))

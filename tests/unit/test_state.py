@@ -3,6 +3,7 @@ file gives one clear message (exit 2, the file and line named, no traceback) in 
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -57,6 +58,16 @@ def test_release_id_hashes_every_host_release() -> None:
     a = state.release_id({"h1": "r1", "h2": "r2"})
     assert a == state.release_id({"h2": "r2", "h1": "r1"}) and len(a) == 16
     assert a != state.release_id({"h1": "r1", "h2": "r3"})
+
+
+@pytest.mark.parametrize("module", ["state", "secret_file"])
+def test_the_ground_floor_imports_nothing_of_kimictl_but_errors(module: str) -> None:
+    """state.py and secret_file.py stand below render and inventory (no circle through them): every kimictl import
+    in them, lazy or for typing too, is kimictl.errors."""
+    tree = ast.parse((Path(state.__file__).parent / f"{module}.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert {n for n in names if n.split(".")[0] == "kimictl"} == {"kimictl.errors"}
 
 
 def test_one_manifest_cache(state_dir: Path) -> None:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from kimictl.cluster_secrets import proxy_admin_key, proxy_admin_key_path
 from kimictl.errors import InvalidInput
-from kimictl.secret_file import proxy_admin_key, proxy_admin_key_path
 
 
 def test_admin_key_is_made_once_private_and_refused_when_readable(tmp_path: Path,
