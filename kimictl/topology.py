@@ -11,6 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from kimictl.errors import TopologyError
 from kimictl.facts import DATA_DIR, hardware_catalogue, switch_rules
+from kimictl.inventory import ModelId
 from kimictl.yamlsrc import LineMap, load_yaml, yaml_type_hint
 
 PRESET_DIR = DATA_DIR / "topologies"
@@ -127,7 +128,7 @@ class Role(_Strict):
 class Speculative(_Strict):
     method: Literal["eagle3", "dflash"] = Field(
         "eagle3", description="eagle3 (K2.5's lightseekorg draft) or dflash (the K2.6/K2.7 recipes' z-lab drafter)")
-    model_id: str
+    model_id: ModelId = Field(description="the draft's hub id (owner/name)")
     num_speculative_tokens: dict[RoleName, int]
 
 

@@ -31,6 +31,7 @@ from kimictl import state
 from kimictl.errors import HostError, InvalidInput, KimictlError, StateError
 from kimictl.inventory import Inventory
 from kimictl.remote import weights_agent as agent_mod
+from kimictl.secret_file import read_secret_file
 from kimictl.ssh import Session, Sessions, SSHError, Target, ansible_host_key_args, target_for
 from kimictl.state import control_dir
 from kimictl.weights.schedule import CONTROL, DEFAULT_STREAMS, HUB, Schedule
@@ -116,14 +117,7 @@ class Reporter:
 def read_token(source: str, token_file: Path | None) -> str | None:
     """From --token-file (must be 0600 or stricter) or the client's usual environment variable."""
     if token_file is not None:
-        try:
-            st = token_file.stat()
-        except OSError as exc:
-            raise InvalidInput(f"--token-file {token_file}: {exc.strerror}") from None
-        if st.st_mode & 0o077:
-            raise InvalidInput(f"--token-file {token_file} is readable by others (mode {st.st_mode & 0o777:o}); "
-                               "chmod 600 it")
-        return token_file.read_text().strip() or None
+        return read_secret_file(token_file, "--token-file")
     for name in TOKEN_ENV.get(source, ()):
         if os.environ.get(name):
             return os.environ[name]

@@ -310,6 +310,9 @@ CASES: list[Case] = [
     Case("spec-tokens-quoted", "good-a3-2.yml",
          _pd(speculative={"model_id": "lightseekorg/kimi-k2.5-eagle3", "num_speculative_tokens": {"decode": "3"}}),
          ("speculative.num_speculative_tokens.decode", "integer", "'3'")),
+    Case("spec-model-id-shell", "good-a3-2.yml",
+         _pd(speculative={"model_id": "x; rm -rf /", "num_speculative_tokens": {"decode": 3}}),
+         ("speculative.model_id", "'x; rm -rf /'", "owner/name")),
     # --- reserved serve flags cannot be sneaked in ------------------------------------------------------------------
     Case("reserved-flag-abbreviated", "good-a3-2.yml", "topo-reserved-abbrev.yml",
          ("roles.decode.serve", "'tensor-parallel'", "abbreviates 'tensor-parallel-size'"), at="decode:",

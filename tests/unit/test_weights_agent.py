@@ -326,6 +326,18 @@ def test_token_file_must_be_private(tmp_path, monkeypatch):
     assert read_token("modelscope", None) is None
 
 
+@pytest.mark.parametrize(("make", "why"), [
+    (lambda p: p.mkdir(mode=0o700), "is not a regular file"),
+    (lambda p: p.write_text("") or p.chmod(0o600), "is empty"),
+    (lambda p: None, "No such file"),
+])
+def test_token_file_that_holds_no_token_is_named(tmp_path, make, why):
+    f = tmp_path / "tok"
+    make(f)
+    with pytest.raises(InvalidInput, match=f"--token-file {f}.*{why}"):
+        read_token("modelscope", f)
+
+
 def test_forced_command_serves_before_the_agents_imports_and_keeps_escaped_names(tmp_path, host_python):
     """The peer key's forced command runs once per transfer, so it must not pay for the agent's imports; names
     that rsync backslash-escapes still reach rsync whole, and refusals are the same as in-process."""
