@@ -7,7 +7,7 @@ import ipaddress
 import re
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -546,11 +546,30 @@ def load_inventory(path: Path | str) -> Inventory:
     return Inventory(path=str(path), cluster=cluster, hosts=hosts)
 
 
+def _within(inner: str, outer: str) -> bool:
+    a, b = PurePosixPath(inner), PurePosixPath(outer)
+    return a == b or b in a.parents
+
+
+def _dir_overlaps(cluster: ClusterSettings, h: Host) -> list[str]:
+    """Directories others may read must not hold the state dir (its secrets/) or, for media, the checkpoints:
+    the peer key reads the model and draft dirs, and any request may read files under the media dir."""
+    shared = {"kimi_model_dir": cluster.kimi_model_dir, "kimi_draft_model_dir": cluster.kimi_draft_model_dir,
+              "kimi_media_dir": cluster.kimi_media_dir}
+    out = [f"{key} {d} holds kimi_state_dir {h.kimi_state_dir} (its secrets/ would be readable through it)"
+           for key, d in shared.items() if d and _within(h.kimi_state_dir, d)]
+    out += [f"kimi_media_dir {cluster.kimi_media_dir} holds {key} {d} (any request could read the checkpoint)"
+            for key, d in list(shared.items())[:2] if d and _within(d, cluster.kimi_media_dir)]
+    return out
+
+
 def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) -> None:
     seen_addr: dict[str, str] = {}
     seen_dev: dict[str, str] = {}
     for h in hosts:
         line = c.host_line[h.name]
+        for why in _dir_overlaps(cluster, h):
+            c.err(line, f"host {h.name}: {why}; give each its own directory")
         # One business IP per host: HCCL_IF_IP, the DP master address and the proxy's endpoints use it.
         for addr in dict.fromkeys((h.ansible_host, h.ip)):
             if addr in seen_addr and seen_addr[addr] != h.name:

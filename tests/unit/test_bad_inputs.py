@@ -274,6 +274,14 @@ CASES: list[Case] = [
     # --- IPv6: refused with a message naming the host and key (URLs, HCCL and peer transfers are IPv4) ----------
     Case("ipv6-ansible-host", "inv-ipv6-ansible-host.yml", "a3-pd",
          ("host a3-d", "ansible_host", "'fd00::2' is an IPv6 address", "IPv4 only"), at="a3-d:"),
+    # --- directories others may read hold no secrets (issue 27) -------------------------------------------------
+    Case("model-dir-holds-state-dir", _inv({"kimi_model_dir": "/data/kimi"},
+                                           {"a3-p": {**A3P, "kimi_state_dir": "/data/kimi/state"}, "a3-d": A3D}),
+         "a3-pd", ("host a3-p", "kimi_model_dir /data/kimi holds kimi_state_dir /data/kimi/state", "secrets")),
+    Case("media-dir-is-state-dir", _inv({"kimi_media_dir": "/var/lib/kimi"}, {"a3-p": A3P, "a3-d": A3D}),
+         "a3-pd", ("host a3-p", "kimi_media_dir /var/lib/kimi holds kimi_state_dir /var/lib/kimi")),
+    Case("media-dir-holds-model-dir", _inv({"kimi_media_dir": "/data"}, {"a3-p": A3P, "a3-d": A3D}),
+         "a3-pd", ("kimi_media_dir /data holds kimi_model_dir /data/models/Kimi-K2.5-W4A8", "checkpoint")),
     # --- addresses that name no single host, SSH options nobody can read (issue 27) ------------------------------
     Case("ansible-host-unspecified", _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "ansible_host": "0.0.0.0"}}), "a3-pd",
          ("host a3-d", "ansible_host", "'0.0.0.0' is the unspecified address"), at="ansible_host: 0.0.0.0"),
