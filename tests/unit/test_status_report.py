@@ -65,8 +65,8 @@ def cluster(tmp_path: Path, monkeypatch):
     hosts = {f"atlas-0{i}": {"ansible_host": f"10.0.0.{i}", "kimi_hardware": "atlas-800-a3"} for i in (1, 2, 3)}
     path = tmp_path / "inv.yml"
     path.write_text(yaml.safe_dump({"all": {"vars": {
-        "kimi_cluster": "st-unit", "kimi_model_dir": "/data/models/Kimi-K2.5-W4A8", "kimi_vllm_ascend_version": "0.23.0",
-        "kimi_runtime": "host", "kimi_nic": "eth0"}, "hosts": hosts}}))
+        "kimi_cluster": "st-unit", "kimi_model_dir": "/data/models/Kimi-K2.5-W4A8",
+        "kimi_vllm_ascend_version": "0.23.0", "kimi_runtime": "host", "kimi_nic": "eth0"}, "hosts": hosts}}))
     record_release("st-unit", ReleaseRecord(release="r", result="deployed",
                                             hosts={"atlas-01": "rel-atlas-01", "atlas-02": "rel-old"}))
     record("st-unit", {"prometheus_url": PROM, "monitor_host": "atlas-03", "targets": 7})
@@ -76,7 +76,8 @@ def cluster(tmp_path: Path, monkeypatch):
 
 def _report(monkeypatch, inv, probes: dict[str, Any], **kw) -> dict[str, Any]:
     monkeypatch.setattr(status, "_probe", lambda inv, timeout: probes)
-    doc = status.collect_status(inv, **kw)
+    doc = status.collect_status(inv, **kw).to_json()
+    assert status.StatusReport.model_validate(doc).to_json() == doc  # the model reads its own document back
     return json.loads(json.dumps(doc))
 
 
@@ -90,15 +91,19 @@ def _keys(doc: dict[str, Any]) -> dict[str, Any]:
             "monitoring": list(doc["monitoring"])}
 
 
+def _degraded() -> dict[str, Any]:
+    """P/D: a ready prefill and proxy; a ready, a headless and a stopped decode engine; an unreachable host."""
+    return {"atlas-01": _probe("atlas-01", [_engine("prefill-0-dp0", "prefill", 7100)], proxy=True,
+                               sup={"prefill-0-dp0": RUNNING, "proxy": RUNNING}),
+            "atlas-02": _probe("atlas-02", [_engine("decode-0-dp0", "decode", 7100),
+                                            _engine("decode-0-n1", "decode", 7101, serves_http=False),
+                                            _engine("decode-0-dp9", "decode", 7109)],
+                               sup={"decode-0-dp0": RUNNING, "decode-0-n1": RUNNING}),
+            "atlas-03": SSHError("atlas-03: connection refused")}
+
+
 def test_the_status_json_keys_are_a_contract(cluster, monkeypatch) -> None:
-    probes = {"atlas-01": _probe("atlas-01", [_engine("prefill-0-dp0", "prefill", 7100)], proxy=True,
-                                 sup={"prefill-0-dp0": RUNNING, "proxy": RUNNING}),
-              "atlas-02": _probe("atlas-02", [_engine("decode-0-dp0", "decode", 7100),
-                                              _engine("decode-0-n1", "decode", 7101, serves_http=False),
-                                              _engine("decode-0-dp9", "decode", 7109)],
-                                 sup={"decode-0-dp0": RUNNING, "decode-0-n1": RUNNING}),
-              "atlas-03": SSHError("atlas-03: connection refused")}
-    doc = _report(monkeypatch, cluster, probes)
+    doc = _report(monkeypatch, cluster, _degraded())
     row = ["id", "host", "role", "port", "ip", "release", "serves_http", "hbm_used_mb"]
     sup = ["restarts", "pid", "since"]
     assert _keys(doc) == {
@@ -160,3 +165,40 @@ def test_stale_prefill_ids_and_a_stopped_proxy(cluster, monkeypatch) -> None:
         "atlas-01", [_engine("prefill-0-dp0", "prefill", 7100)], proxy=True,
         sup={"prefill-0-dp0": RUNNING, "proxy": RUNNING})}, probe_pairs=False)
     assert no_probe["pairs"] == [] and no_probe["proxy"]["state"] == "ready" and "membership" in no_probe["proxy"]
+
+
+def test_the_status_command_prints_the_report(cluster, monkeypatch, tmp_path: Path) -> None:
+    """`status --output json` prints the report's document; the text view reads the same report; degraded exits 3."""
+    from typer.testing import CliRunner
+
+    from kimictl.cli.main import app
+
+    monkeypatch.setattr(status, "_probe", lambda inv, timeout: _degraded())
+    got = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml"), "--output", "json"])
+    assert got.exit_code == 3, got.output
+    doc = json.loads(got.stdout)
+    assert list(doc) == ["schema_version", "cluster", "state", "served_model_name", "release", "engines", "proxy",
+                         "pairs", "drift", "monitoring", "at"]
+    assert doc["state"] == "degraded" and len(doc["engines"]) == 5 and "admin_key" not in doc["proxy"]
+    text = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml")])
+    assert text.exit_code == 3
+    assert "router 0 behind the proxy lacks decode-0-dp9, lists unknown http://10.0.0.7:7100" in text.stdout
+    assert "drift: atlas-02 runs rel-atlas-02, recorded rel-old" in text.stdout
+
+
+def test_status_heal_puts_the_heal_report_last(cluster, monkeypatch, tmp_path: Path) -> None:
+    """`status --heal` on a cluster that is not healthy adds the heal round's report under `heal`; escalated exits 1."""
+    from typer.testing import CliRunner
+
+    from kimictl.cli import status as status_cli
+    from kimictl.cli.main import app
+
+    monkeypatch.setattr(status, "_probe", lambda inv, timeout: _degraded())
+    heal = {"result": "escalated", "actions": [{"slice": "decode-0", "reasons": ["dead"], "result": "escalated"}]}
+    monkeypatch.setattr(status_cli, "_heal_round", lambda inventory: heal)
+    got = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml"), "--output", "json", "--heal"])
+    assert got.exit_code == 1, got.output
+    doc = json.loads(got.stdout)
+    assert list(doc)[-2:] == ["at", "heal"] and doc["heal"] == heal
+    text = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml"), "--heal"])
+    assert text.exit_code == 1 and "heal: escalated; decode-0 dead -> escalated" in text.stdout
