@@ -5,22 +5,151 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from kimictl import ascend, health
 from kimictl.cluster_secrets import engine_api_key, proxy_admin_key, proxy_api_key
 from kimictl.errors import guide
 from kimictl.facts import engine_profile
-from kimictl.inventory import Inventory
+from kimictl.inventory import Host, Inventory
 from kimictl.observe_up import monitoring_status
 from kimictl.render import PROXY_FRONT_STATE
 from kimictl.router_kinds import RouterError, membership_client, proxy_ready
 from kimictl.ssh import Sessions, SSHError
+from kimictl.state import ReleaseRecord
 from kimictl.state import current as recorded_release
 
 STATUS_SCHEMA_VERSION = 1
 _SUPERVISOR_TO_STATE = {"starting": "starting", "backoff": "failed", "failed": "failed", "stopping": "stopped",
                         "stopped": "stopped", "dead": "failed"}
+ProcessState = Literal["ready", "starting", "failed", "stopped", "unreachable"]
+
+
+# --- the `status --output json` document (docs/contract.md) -----------------------------------------------------
+
+
+class StatusPart(BaseModel):
+    """A part of the status document. A field with a default is a key the document holds only once it is set (an
+    engine's metrics once it is ready, its supervisor's fields once it runs under one): `to_json` leaves out what
+    was never set, so the JSON has the same keys whether a value is known or not."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class HbmUse(StatusPart):
+    """NPU HBM in use on an engine's devices, as npu-smi reports it (MB)."""
+
+    total: int
+    max_per_npu: int
+
+
+class Quantiles(StatusPart):
+    """Seconds, from a vLLM histogram; None without observations."""
+
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+
+class EngineMetrics(StatusPart):
+    """A ready engine's vLLM metrics."""
+
+    requests_running: float
+    requests_waiting: float
+    kv_cache_usage: float
+    ttft_s: Quantiles
+    itl_s: Quantiles
+
+
+class EngineStatus(StatusPart):
+    """One engine process; an unreachable host is one row `<host>:*` with role "?" and the reason in `detail`."""
+
+    id: str
+    host: str
+    role: str
+    port: int | None = None
+    ip: str | None = None
+    release: str | None = None
+    serves_http: bool | None = None
+    hbm_used_mb: HbmUse | None = None
+    restarts: int | None = None  # restarts, pid, since: set when the engine runs under its supervisor
+    pid: int | None = None
+    since: str | None = None
+    state: ProcessState
+    detail: str | None = None
+    metrics: EngineMetrics | None = None
+
+
+class RouterMembership(StatusPart):
+    """One router copy behind the proxy against the deployed endpoints: counts and differences, or the error."""
+
+    router: int
+    members: int | None = None
+    missing: list[str] | None = None
+    unknown: list[str] | None = None
+    error: str | None = None
+
+
+class ProxyStatus(StatusPart):
+    host: str
+    ip: str
+    port: int
+    routers: int
+    router: str
+    admin_key: bool = Field(False, exclude=True)  # the routers' API takes kimictl's admin key (not in the document)
+    state: ProcessState
+    stale_engine_ids: str | None = None
+    membership: list[RouterMembership] | None = None  # set when the proxy is ready
+
+
+class PairStatus(StatusPart):
+    prefill: list[str]
+    decode: list[str]
+    state: Literal["ok", "failed"]
+    detail: str
+    hint: str | None = None
+
+
+class Drift(StatusPart):
+    host: str
+    recorded: str | None
+    current: str | None
+
+
+class Monitoring(StatusPart):
+    """Where Prometheus runs (from the last `observe up`), whether it answers, which alerts fire."""
+
+    prometheus_url: str
+    monitor_host: str | None
+    targets: int | None
+    state: Literal["ready", "unreachable"]
+    alerts_firing: list[str]
+
+
+class StatusReport(StatusPart):
+    """The `status --output json` document of docs/contract.md (schema_version 1); the text view reads it too."""
+
+    schema_version: Literal[1]
+    cluster: str
+    state: Literal["healthy", "degraded", "down"]
+    served_model_name: str | None
+    release: str | None
+    engines: list[EngineStatus]
+    proxy: ProxyStatus | None
+    pairs: list[PairStatus]
+    drift: list[Drift]
+    monitoring: Monitoring | None
+    at: str
+    heal: dict[str, Any] | None = None  # `status --heal`: the heal round's own document (heal --output json)
+
+
+# --- collecting it ------------------------------------------------------------------------------------------------
 
 
 def _probe(inv: Inventory, timeout: float) -> dict[str, Any]:
@@ -49,111 +178,148 @@ def _probe(inv: Inventory, timeout: float) -> dict[str, Any]:
         return sessions.each(one)
 
 
-def _engine_metrics(ip: str, port: int) -> dict[str, Any]:
+def _engine_metrics(ip: str, port: int) -> EngineMetrics:
     m, hist = health.scrape(ip, port)
-    out: dict[str, Any] = {"requests_running": m.get("vllm:num_requests_running", 0.0),
-                           "requests_waiting": m.get("vllm:num_requests_waiting", 0.0),
-                           "kv_cache_usage": m.get("vllm:kv_cache_usage_perc", 0.0)}
-    for key, family in (("ttft_s", "vllm:time_to_first_token_seconds"), ("itl_s", "vllm:inter_token_latency_seconds")):
-        b = hist.get(family, [])
-        out[key] = {f"p{int(q * 100)}": health.quantile(b, q) for q in (0.5, 0.9, 0.99)}
-    return out
+    quantiles = {key: Quantiles(**{f"p{int(q * 100)}": health.quantile(hist.get(family, []), q)
+                                   for q in (0.5, 0.9, 0.99)})
+                 for key, family in (("ttft_s", "vllm:time_to_first_token_seconds"),
+                                     ("itl_s", "vllm:inter_token_latency_seconds"))}
+    return EngineMetrics(requests_running=m.get("vllm:num_requests_running", 0.0),
+                         requests_waiting=m.get("vllm:num_requests_waiting", 0.0),
+                         kv_cache_usage=m.get("vllm:kv_cache_usage_perc", 0.0), **quantiles)
 
 
-def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool = True) -> dict[str, Any]:
-    """The `status --output json` document of docs/contract.md (schema_version 1)."""
+def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool = True) -> StatusReport:
+    """The `status --output json` document of docs/contract.md (schema_version 1): the hosts' probe, then each
+    process's readiness over HTTP, the P/D pair, the routers' membership, and the cluster's state from all of it."""
     record = recorded_release(inv.cluster.name)  # a damaged record: exit 2 before any host is contacted
-    probes = _probe(inv, timeout)
+    seen = _Seen.of(inv, _probe(inv, timeout), record)
     api_key = proxy_api_key(inv)
     engine_keys = {pd: engine_api_key(inv, pd) for pd in (True, False)}  # the key engines require, P/D or not
-    engines: list[dict[str, Any]] = []
-    proxy: dict[str, Any] | None = None
-    drift: list[dict[str, Any]] = []
-    served = None
-    for h in inv.hosts:
-        got = probes[h.name]
-        if isinstance(got, SSHError):
-            engines.append({"id": f"{h.name}:*", "host": h.name, "role": "?", "state": "unreachable",
-                            "detail": str(got)})
-            continue
-        man = got["manifest"]
-        if record and man and record.hosts.get(h.name) != man.get("release"):
-            drift.append({"host": h.name, "recorded": record.hosts.get(h.name), "current": man.get("release")})
-        if not man:
-            continue
-        served = served or man.get("served_model_name")
-        for e in man["engines"]:
-            sup = got["supervised"].get(e["id"])
-            row = {"id": e["id"], "host": h.name, "role": e["role"], "port": e["port"], "ip": h.ip,
-                   "release": man.get("release"), "serves_http": e["serves_http"]}
-            used = [got["hbm_used_mb"][d] for d in e.get("devices", []) if d in got["hbm_used_mb"]]
-            if used:  # NPU HBM in use on this engine's devices, as npu-smi reports it
-                row["hbm_used_mb"] = {"total": sum(used), "max_per_npu": max(used)}
-            if sup is None:
-                row["state"] = "stopped"
-            else:
-                row.update(restarts=sup.get("restarts", 0), pid=sup.get("child_pid"),
-                           since=sup.get("child_started_at"))
-                row["state"] = _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")
-            engines.append(row)
-        if man.get("proxy"):
-            sup = got["supervised"].get("proxy")
-            proxy = {"host": h.name, "ip": h.ip, "port": man["proxy"]["port"],
-                     "routers": int(man["proxy"].get("routers", 0)), "admin_key": bool(man["proxy"].get("admin_key")),
-                     "router": man["proxy"].get("router") or "vllm-router",  # releases before router kinds
-                     "state": "stopped" if sup is None else _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")}
-            stale = _stale_engine_ids((got.get("front") or {}).get("watch"))
-            if stale:
-                proxy["stale_engine_ids"] = stale
-
-    def readiness(row: dict[str, Any]) -> None:
-        if row["state"] == "starting" and row.get("serves_http", True):
-            ok = (proxy_ready(row["router"], row["ip"], row["port"], served or "", timeout=3, api_key=api_key)
-                  if row is proxy else health.engine_ready(row["ip"], row["port"], served or "", timeout=3,
-                                                           api_key=engine_keys[row["role"] != "colocated"])).ok
-            row["state"] = "ready" if ok else "starting"
-            if ok and row is not proxy:  # engines' vLLM metrics; the proxy port has none of its own
-                row["metrics"] = _engine_metrics(row["ip"], row["port"])
-        elif row["state"] == "starting":
-            row["state"] = "ready"  # headless internal-DP workers have no HTTP; alive under the supervisor
-
-    live = [r for r in engines if r["state"] == "starting"] + ([proxy] if proxy else [])
-    for r in live:
-        r.setdefault("serves_http", True)
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        list(pool.map(readiness, live))
-
-    pairs: list[dict[str, Any]] = []
-    pd = any(r["role"] == "prefill" for r in engines) and any(r["role"] == "decode" for r in engines)
-    if pd and proxy and proxy.get("stale_engine_ids"):  # a probe now would wait on a dead peer
-        pairs.append({"prefill": [r["id"] for r in engines if r["role"] == "prefill"],
-                      "decode": [r["id"] for r in engines if r["role"] == "decode"], "state": "failed",
-                      "detail": proxy["stale_engine_ids"]})
-    elif pd and proxy and probe_pairs:
-        wait = engine_profile(inv.cluster.kimi_engine_profile).probe_timeout_s or 30.0
-        pairs.append(_pair_probe(engines, proxy, served or "", api_key, wait))
-    if proxy and proxy["state"] == "ready":
+    _judge_readiness(seen, api_key, engine_keys)
+    pairs = _pairs(inv, seen, api_key, probe_pairs)
+    proxy = seen.proxy
+    if proxy and proxy.state == "ready":
         # The routers' own API takes kimictl's admin key (a front made before it had one took the client key).
-        admin = proxy_admin_key(inv.cluster.name) if proxy["admin_key"] else api_key
-        proxy["membership"] = _membership(engines, proxy, admin)
+        admin = proxy_admin_key(inv.cluster.name) if proxy.admin_key else api_key
+        proxy.membership = _membership(seen.engines, proxy, admin)
+    mon = monitoring_status(inv.cluster.name)
+    return StatusReport(schema_version=STATUS_SCHEMA_VERSION, cluster=inv.cluster.name,
+                        state=_cluster_state(seen, pairs), served_model_name=seen.served,
+                        release=record.release if record else None, engines=seen.engines, proxy=proxy, pairs=pairs,
+                        drift=seen.drift, monitoring=None if mon is None else Monitoring(**mon),
+                        at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
 
-    states = [r["state"] for r in engines] + ([proxy["state"]] if proxy else [])
-    members_ok = not proxy or all(not m.get("missing") and "error" not in m for m in proxy.get("membership", []))
-    if (engines and all(s == "ready" for s in states) and all(p["state"] == "ok" for p in pairs) and not drift
+
+def _supervised(sup: dict[str, Any] | None) -> ProcessState:
+    """A process's state from its supervisor's record (none: stopped); "starting" until readiness says more."""
+    return "stopped" if sup is None else _SUPERVISOR_TO_STATE.get(sup.get("state"), "starting")
+
+
+@dataclass
+class _Seen:
+    """What the hosts' probe shows: engines and the proxy as their supervisors see them, drift, the served name."""
+
+    engines: list[EngineStatus]
+    proxy: ProxyStatus | None
+    drift: list[Drift]
+    served: str | None
+
+    @classmethod
+    def of(cls, inv: Inventory, probes: dict[str, Any], record: ReleaseRecord | None) -> _Seen:
+        seen = cls([], None, [], None)
+        for h in inv.hosts:
+            got = probes[h.name]
+            if isinstance(got, SSHError):
+                seen.engines.append(EngineStatus(id=f"{h.name}:*", host=h.name, role="?", state="unreachable",
+                                                 detail=str(got)))
+                continue
+            man = got["manifest"]
+            if record and man and record.hosts.get(h.name) != man.get("release"):
+                seen.drift.append(Drift(host=h.name, recorded=record.hosts.get(h.name), current=man.get("release")))
+            if not man:
+                continue
+            seen.served = seen.served or man.get("served_model_name")
+            seen.engines += [_engine_row(h, e, man.get("release"), got) for e in man["engines"]]
+            if man.get("proxy"):
+                seen.proxy = _proxy_row(h, man["proxy"], got)
+        return seen
+
+
+def _engine_row(h: Host, e: dict[str, Any], release: str | None, got: dict[str, Any]) -> EngineStatus:
+    """One engine of a host's manifest, with its supervisor's record and its devices' HBM use."""
+    sup = got["supervised"].get(e["id"])
+    row = EngineStatus(id=e["id"], host=h.name, role=e["role"], port=e["port"], ip=h.ip, release=release,
+                       serves_http=e["serves_http"], state=_supervised(sup))
+    used = [got["hbm_used_mb"][d] for d in e.get("devices", []) if d in got["hbm_used_mb"]]
+    if used:  # NPU HBM in use on this engine's devices, as npu-smi reports it
+        row.hbm_used_mb = HbmUse(total=sum(used), max_per_npu=max(used))
+    if sup is not None:
+        row.restarts, row.pid, row.since = sup.get("restarts", 0), sup.get("child_pid"), sup.get("child_started_at")
+    return row
+
+
+def _proxy_row(h: Host, man_proxy: dict[str, Any], got: dict[str, Any]) -> ProxyStatus:
+    proxy = ProxyStatus(host=h.name, ip=h.ip, port=man_proxy["port"], routers=int(man_proxy.get("routers", 0)),
+                        admin_key=bool(man_proxy.get("admin_key")),
+                        router=man_proxy.get("router") or "vllm-router",  # releases before router kinds
+                        state=_supervised(got["supervised"].get("proxy")))
+    stale = _stale_engine_ids((got.get("front") or {}).get("watch"))
+    if stale:
+        proxy.stale_engine_ids = stale
+    return proxy
+
+
+def _judge_readiness(seen: _Seen, api_key: str | None, engine_keys: dict[bool, str | None]) -> None:
+    """Each process its supervisor runs ("starting") is ready once it answers over HTTP; all asked at once."""
+    served = seen.served or ""
+
+    def engine(row: EngineStatus) -> None:
+        if not row.serves_http:
+            row.state = "ready"  # headless internal-DP workers have no HTTP; alive under the supervisor
+        elif health.engine_ready(row.ip, row.port, served, timeout=3,
+                                 api_key=engine_keys[row.role != "colocated"]).ok:
+            row.state = "ready"
+            row.metrics = _engine_metrics(row.ip, row.port)  # the proxy port has no vLLM metrics of its own
+
+    def front(row: ProxyStatus) -> None:
+        if proxy_ready(row.router, row.ip, row.port, served, timeout=3, api_key=api_key).ok:
+            row.state = "ready"
+
+    checks = [(engine, r) for r in seen.engines if r.state == "starting"]
+    if seen.proxy and seen.proxy.state == "starting":
+        checks.append((front, seen.proxy))
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda check: check[0](check[1]), checks))
+
+
+def _pairs(inv: Inventory, seen: _Seen, api_key: str | None, probe_pairs: bool) -> list[PairStatus]:
+    """The P/D pair behind the proxy: failed at once while its routers know stale prefill ids, else probed."""
+    proxy, engines = seen.proxy, seen.engines
+    if not proxy or not {"prefill", "decode"} <= {r.role for r in engines}:
+        return []
+    if proxy.stale_engine_ids:  # a probe now would wait on a dead peer
+        return [PairStatus(prefill=[r.id for r in engines if r.role == "prefill"],
+                           decode=[r.id for r in engines if r.role == "decode"], state="failed",
+                           detail=proxy.stale_engine_ids)]
+    if not probe_pairs:
+        return []
+    wait = engine_profile(inv.cluster.kimi_engine_profile).probe_timeout_s or 30.0
+    return [_pair_probe(engines, proxy, seen.served or "", api_key, wait)]
+
+
+def _cluster_state(seen: _Seen, pairs: list[PairStatus]) -> Literal["healthy", "degraded", "down"]:
+    """healthy: everything ready, every pair and router copy fine, no drift; down: nothing ready, or the proxy not
+    ready; else degraded."""
+    engines, proxy = seen.engines, seen.proxy
+    states = [r.state for r in engines] + ([proxy.state] if proxy else [])
+    members_ok = not proxy or all(not m.missing and m.error is None for m in proxy.membership or [])
+    if (engines and all(s == "ready" for s in states) and all(p.state == "ok" for p in pairs) and not seen.drift
             and members_ok):
-        state = "healthy"
-    elif not engines or not any(s == "ready" for s in states) or (proxy and proxy["state"] != "ready"):
-        state = "down"
-    else:
-        state = "degraded"
-    if proxy:
-        proxy.pop("serves_http", None)
-        proxy.pop("admin_key", None)
-    return {"schema_version": STATUS_SCHEMA_VERSION, "cluster": inv.cluster.name, "state": state,
-            "served_model_name": served,
-            "release": record.release if record else None, "engines": engines, "proxy": proxy,
-            "pairs": pairs, "drift": drift, "monitoring": monitoring_status(inv.cluster.name),
-            "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        return "healthy"
+    if not engines or not any(s == "ready" for s in states) or (proxy and proxy.state != "ready"):
+        return "down"
+    return "degraded"
 
 
 def _stale_engine_ids(watch: dict[str, Any] | None) -> str | None:
@@ -168,39 +334,40 @@ def _stale_engine_ids(watch: dict[str, Any] | None) -> str | None:
             "restarts them")
 
 
-def _membership(engines: list[dict[str, Any]], proxy: dict[str, Any], api_key: str | None) -> list[dict[str, Any]]:
+def _membership(engines: list[EngineStatus], proxy: ProxyStatus, api_key: str | None) -> list[RouterMembership]:
     """Each router copy behind the proxy against the deployed endpoints, from the copy's own membership API: a router
     that lost one (a drain left behind, a restart with another membership) routes around capacity the plan has."""
-    want = {f"http://{r['ip']}:{r['port']}": r["id"] for r in engines
-            if r["role"] in ("prefill", "decode") and r.get("serves_http")}
-    base = f"http://{proxy['ip']}:{proxy['port']}"
-    urls = [f"{base}/kimictl/router/{i}" for i in range(proxy["routers"])] or [base]
+    want = {f"http://{r.ip}:{r.port}": r.id for r in engines if r.role in ("prefill", "decode") and r.serves_http}
+    base = f"http://{proxy.ip}:{proxy.port}"
+    urls = [f"{base}/kimictl/router/{i}" for i in range(proxy.routers)] or [base]
     out = []
     for i, url in enumerate(urls):
         try:
-            members = set(membership_client(proxy["router"], url, api_key, timeout=5).members())
+            members = set(membership_client(proxy.router, url, api_key, timeout=5).members())
         except RouterError as exc:
-            out.append({"router": i, "error": exc.message.removeprefix(f"router {url}: ")[:160]})
+            out.append(RouterMembership(router=i, error=exc.message.removeprefix(f"router {url}: ")[:160]))
             continue
-        out.append({"router": i, "members": len(members), "missing": sorted(want[u] for u in set(want) - members),
-                    "unknown": sorted(members - set(want))})
+        out.append(RouterMembership(router=i, members=len(members),
+                                    missing=sorted(want[u] for u in set(want) - members),
+                                    unknown=sorted(members - set(want))))
     return out
 
 
-def _pair_probe(engines: list[dict[str, Any]], proxy: dict[str, Any], served: str,
-                api_key: str | None = None, timeout: float = 30.0) -> dict[str, Any]:
+def _pair_probe(engines: list[EngineStatus], proxy: ProxyStatus, served: str,
+                api_key: str | None = None, timeout: float = 30.0) -> PairStatus:
     """One request through the proxy: decode must get the whole prompt over the KV connector (health.pd_probe)."""
-    pre = [r for r in engines if r["role"] == "prefill" and r["state"] == "ready"]
-    dec = [r for r in engines if r["role"] == "decode" and r["state"] == "ready"]
-    if proxy["state"] != "ready" or not pre or not dec:
-        return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec], "state": "failed",
-                "detail": "proxy or one side not ready"}
-    probe = health.pd_probe(f"http://{proxy['ip']}:{proxy['port']}/v1/completions", served,
-                            [(r["ip"], r["port"]) for r in pre], [(r["ip"], r["port"]) for r in dec],
+    pre = [r for r in engines if r.role == "prefill" and r.state == "ready"]
+    dec = [r for r in engines if r.role == "decode" and r.state == "ready"]
+    ids = {"prefill": [r.id for r in pre], "decode": [r.id for r in dec]}
+    if proxy.state != "ready" or not pre or not dec:
+        return PairStatus(**ids, state="failed", detail="proxy or one side not ready")
+    probe = health.pd_probe(f"http://{proxy.ip}:{proxy.port}/v1/completions", served,
+                            [(r.ip, r.port) for r in pre], [(r.ip, r.port) for r in dec],
                             timeout=timeout, api_key=api_key)
     # vllm-ascend's proxy has sent 200 before the decode leg runs: when decode fails the request, the answer is empty
-    return {"prefill": [r["id"] for r in pre], "decode": [r["id"] for r in dec],
-            "state": "ok" if probe.ok else "failed",
-            "detail": probe.detail + ("" if probe.answered else
-                                      f": {health.body_text(probe.body) or '(an empty answer)'}"),
-            **({} if probe.ok else {"hint": guide("t-no-kv" if probe.answered else "t-pair-probe")})}
+    pair = PairStatus(**ids, state="ok" if probe.ok else "failed",
+                      detail=probe.detail + ("" if probe.answered else
+                                             f": {health.body_text(probe.body) or '(an empty answer)'}"))
+    if not probe.ok:
+        pair.hint = guide("t-no-kv" if probe.answered else "t-pair-probe")
+    return pair

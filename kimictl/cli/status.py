@@ -30,25 +30,24 @@ def status(
 
     inv = load_inventory(inventory)
     while True:
-        doc = collect_status(inv, probe_pairs=not no_pair_probe)
-        if heal and doc["state"] != "healthy":
-            doc["heal"] = _heal_round(inventory)
+        report = collect_status(inv, probe_pairs=not no_pair_probe)
+        if heal and report.state != "healthy":
+            report.heal = _heal_round(inventory)
         if output == Output.json:
-            emit_json(doc)
+            emit_json(report.to_json())
         else:
             from kimictl.cli.views import print_to_stdout, status_view
 
-            print_to_stdout(status_view(doc))
-            if "heal" in doc:
-                h = doc["heal"]
+            print_to_stdout(status_view(report))
+            if (h := report.heal) is not None:
                 typer.echo(f"heal: {h['result']}" + "".join(
                     f"; {a['slice']} {'/'.join(a['reasons'])} -> {a['result']}" for a in h["actions"]))
-        if doc.get("heal", {}).get("result") == "escalated":
+        if report.heal and report.heal.get("result") == "escalated":
             raise typer.Exit(EXIT_FAILED)
         if not watch:
             break
         time.sleep(watch)
-    raise typer.Exit(EXIT_BY_STATE[doc["state"]])
+    raise typer.Exit(EXIT_BY_STATE[report.state])
 
 
 def _heal_round(inventory: str) -> dict:
@@ -88,17 +87,16 @@ def bench(
     inv = load_inventory(inventory)
     st = collect_status(inv, probe_pairs=False)
     api_key = None
-    if st["proxy"] and st["proxy"]["state"] == "ready":
-        host, port = st["proxy"]["ip"], st["proxy"]["port"]
+    if st.proxy and st.proxy.state == "ready":
+        host, port = st.proxy.ip, st.proxy.port
         api_key = proxy_api_key(inv)
     else:
-        ready = [e for e in st["engines"] if e["state"] == "ready" and e.get("serves_http")
-                 and e["role"] == "colocated"]
+        ready = [e for e in st.engines if e.state == "ready" and e.serves_http and e.role == "colocated"]
         if not ready:
-            raise KimictlError(f"no serving endpoint is ready (cluster state {st['state']}); see `kimictl status`")
-        host, port = ready[0]["ip"], ready[0]["port"]
+            raise KimictlError(f"no serving endpoint is ready (cluster state {st.state}); see `kimictl status`")
+        host, port = ready[0].ip, ready[0].port
     spec = BenchSpec(requests, concurrency, input_tokens, output_tokens, timeout, slo_tpot_ms, slo_ttft_ms)
-    doc = run_bench(host, port, st.get("served_model_name") or "", spec, api_key).summary()
+    doc = run_bench(host, port, st.served_model_name or "", spec, api_key).summary()
     if output == Output.json:
         emit_json(doc)
     else:

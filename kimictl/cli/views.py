@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from kimictl.plan import Plan
     from kimictl.preflight import PreflightReport
     from kimictl.render import Rendered
+    from kimictl.status import Quantiles, StatusReport
     from kimictl.topology import Topology
 
 
@@ -130,57 +131,56 @@ def preflight_view(report: PreflightReport) -> Group:
     return Group(t, tail)
 
 
-def status_view(doc: dict) -> Group:
-    color = {"healthy": "bold green", "degraded": "bold yellow", "down": "bold red"}[doc["state"]]
-    head = Text.assemble(("cluster ", "dim"), (doc["cluster"], "bold"), ("  state ", "dim"), (doc["state"], color),
-                         ("  release ", "dim"), str(doc.get("release")))
+def status_view(report: StatusReport) -> Group:
+    color = {"healthy": "bold green", "degraded": "bold yellow", "down": "bold red"}[report.state]
+    head = Text.assemble(("cluster ", "dim"), (report.cluster, "bold"), ("  state ", "dim"), (report.state, color),
+                         ("  release ", "dim"), str(report.release))
     t = Table(title="Engines", title_justify="left")
     for col in ("engine", "host", "role", "state", "restarts", "running", "waiting", "KV use", "HBM max/NPU",
                 "TTFT p50/p99", "ITL p50/p99"):
         t.add_column(col)
 
-    def pct(d: dict | None) -> str:
-        if not d or d.get("p50") is None:
+    def pct(q: Quantiles | None) -> str:
+        if not q or q.p50 is None or q.p99 is None:
             return ""
-        return f"{1000 * d['p50']:.0f}/{1000 * d['p99']:.0f} ms"
+        return f"{1000 * q.p50:.0f}/{1000 * q.p99:.0f} ms"
 
     st_style = {"ready": "green", "starting": "yellow", "failed": "bold red", "stopped": "red",
                 "unreachable": "bold red"}
-    for e in doc["engines"]:
-        m = e.get("metrics") or {}
-        t.add_row(e["id"], e["host"], e["role"], Text(e["state"], style=st_style.get(e["state"], "")),
-                  str(e.get("restarts", "")), f"{m.get('requests_running', 0):.0f}" if m else "",
-                  f"{m.get('requests_waiting', 0):.0f}" if m else "",
-                  f"{100 * m.get('kv_cache_usage', 0):.1f}%" if m else "",
-                  f"{e['hbm_used_mb']['max_per_npu'] / 1024:.1f} GiB" if e.get("hbm_used_mb") else "",
-                  pct(m.get("ttft_s")), pct(m.get("itl_s")))
+    for e in report.engines:
+        m = e.metrics
+        t.add_row(e.id, e.host, e.role, Text(e.state, style=st_style.get(e.state, "")),
+                  "" if e.restarts is None else str(e.restarts), f"{m.requests_running:.0f}" if m else "",
+                  f"{m.requests_waiting:.0f}" if m else "", f"{100 * m.kv_cache_usage:.1f}%" if m else "",
+                  f"{e.hbm_used_mb.max_per_npu / 1024:.1f} GiB" if e.hbm_used_mb else "",
+                  pct(m and m.ttft_s), pct(m and m.itl_s))
     parts: list = [head, t]
-    parts += [Text(f"{e['host']}: unreachable: {e.get('detail', '')}", style="bold red", no_wrap=True,
-                   overflow="ignore") for e in doc["engines"] if e["state"] == "unreachable"]
-    if doc["proxy"]:
-        p = doc["proxy"]
-        members = [m["members"] for m in p.get("membership", []) if "members" in m]
-        parts.append(Text(f"proxy {p['host']} ({p['ip']}:{p['port']}): {p['state']}"
+    parts += [Text(f"{e.host}: unreachable: {e.detail or ''}", style="bold red", no_wrap=True,
+                   overflow="ignore") for e in report.engines if e.state == "unreachable"]
+    if p := report.proxy:
+        membership = p.membership or []
+        members = [m.members for m in membership if m.members is not None]
+        parts.append(Text(f"proxy {p.host} ({p.ip}:{p.port}): {p.state}"
                           + (f", router copies list {'/'.join(map(str, members))} endpoint(s)" if members else ""),
-                          style="green" if p["state"] == "ready" else "bold red"))
-        for m in p.get("membership", []):
-            if "error" in m:
-                parts.append(Text(f"router {m['router']} behind the proxy: {m['error']}", style="bold red"))
-            elif m["missing"] or m["unknown"]:
-                parts.append(Text(f"router {m['router']} behind the proxy lacks {', '.join(m['missing']) or '-'}"
-                                  + (f", lists unknown {', '.join(m['unknown'])}" if m["unknown"] else ""),
+                          style="green" if p.state == "ready" else "bold red"))
+        for m in membership:
+            if m.error is not None:
+                parts.append(Text(f"router {m.router} behind the proxy: {m.error}", style="bold red"))
+            elif m.missing or m.unknown:
+                parts.append(Text(f"router {m.router} behind the proxy lacks {', '.join(m.missing or []) or '-'}"
+                                  + (f", lists unknown {', '.join(m.unknown)}" if m.unknown else ""),
                                   style="yellow"))
-    for pair in doc["pairs"]:
-        parts.append(Text(f"P/D pair probe: {pair['state']} - {pair.get('detail', '')}",
-                          style="green" if pair["state"] == "ok" else "bold red"))
-        if pair.get("hint"):
-            parts.append(Text(f"hint: {pair['hint']}"))
-    for d in doc["drift"]:
-        parts.append(Text(f"drift: {d['host']} runs {d['current']}, recorded {d['recorded']}", style="yellow"))
-    if mon := doc.get("monitoring"):
-        firing = mon["alerts_firing"]
-        parts.append(Text(f"monitoring: Prometheus {mon['prometheus_url']} on {mon['monitor_host']}: {mon['state']}"
+    for pair in report.pairs:
+        parts.append(Text(f"P/D pair probe: {pair.state} - {pair.detail}",
+                          style="green" if pair.state == "ok" else "bold red"))
+        if pair.hint:
+            parts.append(Text(f"hint: {pair.hint}"))
+    for d in report.drift:
+        parts.append(Text(f"drift: {d.host} runs {d.current}, recorded {d.recorded}", style="yellow"))
+    if mon := report.monitoring:
+        firing = mon.alerts_firing
+        parts.append(Text(f"monitoring: Prometheus {mon.prometheus_url} on {mon.monitor_host}: {mon.state}"
                           + (f", firing {', '.join(firing)}" if firing else ", no alert firing" if
-                             mon["state"] == "ready" else ""),
-                          style="green" if mon["state"] == "ready" and not firing else "yellow"))
+                             mon.state == "ready" else ""),
+                          style="green" if mon.state == "ready" and not firing else "yellow"))
     return Group(*parts)

@@ -63,16 +63,18 @@ def test_status_view_prints_one_monitoring_line():
     from rich.console import Console
 
     from kimictl.cli.views import status_view
+    from kimictl.status import StatusReport
 
-    doc = {"cluster": "c", "state": "healthy", "release": "r", "engines": [], "pairs": [], "drift": [], "proxy": None,
+    doc = {"schema_version": 1, "cluster": "c", "state": "healthy", "served_model_name": None, "release": "r",
+           "engines": [], "pairs": [], "drift": [], "proxy": None, "at": "",
            "monitoring": {"prometheus_url": "http://10.0.0.1:9090", "monitor_host": "atlas-01", "targets": 14,
                           "state": "ready", "alerts_firing": ["KimiEngineDown", "KimiTargetDown"]}}
     con = Console(width=200, record=True)
-    con.print(status_view(doc))
+    con.print(status_view(StatusReport.model_validate(doc)))
     lines = [ln for ln in con.export_text().splitlines() if "monitoring" in ln]
     assert lines == ["monitoring: Prometheus http://10.0.0.1:9090 on atlas-01: ready, firing KimiEngineDown, "
                      "KimiTargetDown"]
     doc["monitoring"] = None
     con = Console(width=200, record=True)
-    con.print(status_view(doc))
+    con.print(status_view(StatusReport.model_validate(doc)))
     assert "monitoring" not in con.export_text()

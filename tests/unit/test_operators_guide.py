@@ -243,13 +243,14 @@ def test_a_failed_pair_probe_points_at_its_row(monkeypatch, code, decode_moves: 
         status.health.DECODE_COUNTER: float(next(ticks)) if decode_moves else 0.0})
     monkeypatch.setattr(status.health, "http_post_json", lambda url, body, **k: (
         (200, "") if code == "empty" else (code, {"choices": [{"text": "x"}]} if code == 200 else "KV transfer")))
-    engines = [{"id": f"{r}-0-dp0", "role": r, "state": "ready", "ip": "10.0.0.1", "port": 7100}
+    engines = [status.EngineStatus(id=f"{r}-0-dp0", host="h", role=r, state="ready", ip="10.0.0.1", port=7100)
                for r in ("prefill", "decode")]
-    pair = status._pair_probe(engines, {"state": "ready", "ip": "10.0.0.1", "port": 8000}, "kimi-k2.5")
-    assert pair["state"] == ("ok" if anchor is None else "failed")
-    assert pair.get("hint") == (anchor and f"docs/operators.md#{anchor}")
+    proxy = status.ProxyStatus(host="h", ip="10.0.0.1", port=8000, routers=1, router="vllm-router", state="ready")
+    pair = status._pair_probe(engines, proxy, "kimi-k2.5")
+    assert pair.state == ("ok" if anchor is None else "failed")
+    assert pair.hint == (anchor and f"docs/operators.md#{anchor}")
     if code == "empty":
-        assert pair["detail"].startswith("HTTP 200 without a completion; ") and "(an empty answer)" in pair["detail"]
+        assert pair.detail.startswith("HTTP 200 without a completion; ") and "(an empty answer)" in pair.detail
         assert "HTTP 200 without a completion" in doc.row("t-pair-probe")
     if anchor:
         assert anchor in doc.anchors()

@@ -6,14 +6,14 @@ import http.server
 import json
 import threading
 
-from kimictl.status import _membership
+from kimictl.status import EngineStatus, ProxyStatus, StatusReport, _membership
 
-ENGINES = [
+ENGINES = [EngineStatus(host="h", state="ready", **e) for e in (
     {"id": "prefill-0-dp0", "role": "prefill", "ip": "10.0.0.1", "port": 7100, "serves_http": True},
     {"id": "decode-0-dp0", "role": "decode", "ip": "10.0.0.2", "port": 7100, "serves_http": True},
     {"id": "decode-0-dp1", "role": "decode", "ip": "10.0.0.2", "port": 7101, "serves_http": True},
     {"id": "decode-0-n1", "role": "decode", "ip": "10.0.0.3", "port": 7100, "serves_http": False},
-]
+)]
 LISTS = {
     "/kimictl/router/0/workers": ["http://10.0.0.1:7100", "http://10.0.0.2:7100", "http://10.0.0.2:7101"],
     "/kimictl/router/1/workers": ["http://10.0.0.1:7100/", "http://10.0.0.2:7100", "http://10.9.9.9:7100"],
@@ -59,13 +59,14 @@ def test_each_copy_is_checked_against_the_deployed_endpoints() -> None:
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:
         for kind in ("vllm-router", "vllm-ascend-proxy"):  # GET /workers, or the instances an empty add lists
-            proxy = {"ip": "127.0.0.1", "port": srv.server_address[1], "routers": 3, "router": kind}
-            got = _membership(ENGINES, proxy, "k")
+            proxy = ProxyStatus(host="h", ip="127.0.0.1", port=srv.server_address[1], routers=3, router=kind,
+                                state="ready")
+            got = [m.to_json() for m in _membership(ENGINES, proxy, "k")]
             assert got[0] == {"router": 0, "members": 3, "missing": [], "unknown": []}, kind
             assert got[1] == {"router": 1, "members": 3, "missing": ["decode-0-dp1"],
                               "unknown": ["http://10.9.9.9:7100"]}, kind
             assert got[2]["router"] == 2 and "404" in got[2]["error"], kind
-            assert ("401" if kind == "vllm-router" else "404") in _membership(ENGINES, proxy, None)[0]["error"]
+            assert ("401" if kind == "vllm-router" else "404") in _membership(ENGINES, proxy, None)[0].error
     finally:
         srv.shutdown()
 
@@ -75,12 +76,14 @@ def test_status_view_names_router_copies_that_lack_endpoints() -> None:
 
     from kimictl.cli.views import status_view
 
-    doc = {"cluster": "c", "state": "degraded", "release": "r", "engines": [], "pairs": [], "drift": [],
-           "proxy": {"host": "h1", "ip": "10.0.0.1", "port": 8000, "state": "ready",
+    doc = {"schema_version": 1, "cluster": "c", "state": "degraded", "served_model_name": None, "release": "r",
+           "engines": [], "pairs": [], "drift": [], "monitoring": None, "at": "",
+           "proxy": {"host": "h1", "ip": "10.0.0.1", "port": 8000, "routers": 2, "router": "vllm-router",
+                     "state": "ready",
                      "membership": [{"router": 0, "members": 3, "missing": [], "unknown": []},
                                     {"router": 1, "members": 2, "missing": ["decode-0-dp1"], "unknown": []}]}}
     con = Console(width=200, record=True)
-    con.print(status_view(doc))
+    con.print(status_view(StatusReport.model_validate(doc)))
     text = con.export_text()
     assert "router copies list 3/2 endpoint(s)" in text
     assert "router 1 behind the proxy lacks decode-0-dp1" in text
