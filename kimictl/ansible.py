@@ -3,7 +3,11 @@
 Secrets stay out of ansible-runner's reach: each playbook run has its own private data directory (0700); extravars
 go to a 0600 file there that is removed when the run ends, never to the command line; ansible-playbook gets only
 the environment it needs (runner writes the whole environment into artifacts/<ident>/command, and ours may hold
-hub tokens). Tasks that handle a secret take it on stdin or from a file, with no_log."""
+hub tokens). Tasks that handle a secret take it on stdin or from a file, with no_log.
+
+Extra vars are data, never templates: some carry what a host reported (process ids, an old command, a release
+name), and ansible-core templates extra vars on the control node, so every string in the extravars file carries
+Ansible's `!unsafe` tag (`extravars_yaml`); `{{ kimi.x }}` in a task still yields the value, never evaluated."""
 
 from __future__ import annotations
 
@@ -170,6 +174,23 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
+def extravars_yaml(extravars: Mapping[str, Any]) -> str:
+    """The extravars file's text: YAML in which every string (keys too) is tagged `!unsafe`, so ansible-core never
+    evaluates Jinja in it (JSON cannot carry the tag). The data is what JSON makes of it (tuples as lists, keys as
+    strings), as when this file was JSON. An empty string stays untagged: ansible-core reads an empty `!unsafe ""`
+    as null, and it holds nothing to evaluate."""
+    import yaml
+
+    class UnsafeDumper(getattr(yaml, "CSafeDumper", yaml.SafeDumper)):   # type: ignore[misc]
+        pass
+
+    def unsafe(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+        return dumper.represent_scalar("!unsafe" if text else "tag:yaml.org,2002:str", text, style='"')
+
+    UnsafeDumper.add_representer(str, unsafe)
+    return yaml.dump(json.loads(json.dumps(extravars)), Dumper=UnsafeDumper, width=2**31 - 1, sort_keys=False)
+
+
 def run_playbook(spec: RunSpec, on_event: Callable[[str, str, str], None] | None = None) -> PlaybookResult:
     """Run one playbook; on_event(host, task, status) is called for each task result."""
     from ansible_runner.interface import init_runner
@@ -210,7 +231,7 @@ def run_playbook(spec: RunSpec, on_event: Callable[[str, str, str], None] | None
     # runner passes env/extravars as `-e @file`; given extravars itself it would put them on the command line
     _remove_stale_extravars(pdd.parents[2])
     extravars = pdd / "env" / "extravars"
-    _write_private(extravars, json.dumps(spec.extravars))
+    _write_private(extravars, extravars_yaml(spec.extravars))
     try:
         runner = init_runner(
             private_data_dir=spec.private_data_dir, playbook=spec.playbook, inventory=spec.inventory,

@@ -13,6 +13,12 @@ def guide(anchor: str) -> str:
     return f"docs/operators.md#{anchor}"
 
 
+def reported(value: object, limit: int = 80) -> str:
+    """A value a host reported, for a message: repr'd (its quotes and line breaks stay data) and cut at `limit`."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 class KimictlError(Exception):
     """Base of every error kimictl reports to a user (never shown as a traceback)."""
 

@@ -9,6 +9,7 @@ HTTP (`http`) are injectable; tests replace the whole component with a fake that
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ from kimictl.cluster_secrets import (
     proxy_admin_key_path,
     proxy_api_key,
 )
-from kimictl.errors import HostError, guide
+from kimictl.errors import HostError, guide, reported
 from kimictl.inventory import Inventory
 from kimictl.remote import reserve_ports
+from kimictl.remote.supervisor import NAME_RE as PROCESS_ID
 from kimictl.router_kinds import proxy_ready
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 
@@ -103,6 +105,27 @@ class HostObservation:
     current: str | None
 
 
+RELEASE = re.compile(r"[0-9a-f]{1,64}")   # render.release_id
+
+
+def reported_states(host: str, records: Any) -> dict[str, dict[str, Any]]:
+    """`supervisor.py status` as a host reported it, by process id; a host whose report is not that is refused (its
+    strings go back to it in playbooks: an id must be one, a command a list of strings)."""
+    if not isinstance(records, list) or not all(isinstance(st, dict) for st in records):
+        raise HostError(f"supervisor.py status reported {reported(records)}, not a list of process records",
+                        host=host, step="observe")
+    for st in records:
+        if not isinstance(st.get("name"), str) or not PROCESS_ID.match(st["name"]):
+            raise HostError(f"supervisor.py status reported a process named {reported(st.get('name'))}, which is not "
+                            "a process id", host=host, step="observe")
+        cmd, tag = st.get("cmd"), st.get("tag")
+        if not (cmd is None or (isinstance(cmd, list) and all(isinstance(a, str) for a in cmd))) \
+                or not (tag is None or isinstance(tag, str)):
+            raise HostError(f"supervisor.py status reported {st['name']} with the command {reported(cmd)} and tag "
+                            f"{reported(tag)}, not a list of strings and a string", host=host, step="observe")
+    return {st["name"]: st for st in records}
+
+
 def observe(inv: Inventory, timeout: float = 15.0, accept_new_keys: bool = False,
             connect: Callable[..., Sessions] = Sessions) -> dict[str, HostObservation]:
     """What the supervisor on each host runs now, and where `current` points (one SSH round trip per host)."""
@@ -114,10 +137,12 @@ def observe(inv: Inventory, timeout: float = 15.0, accept_new_keys: bool = False
                     timeout=timeout)
         body, _, cur = res.stdout.partition("@@current")
         try:
-            states = {st["name"]: st for st in json.loads(body or "[]")}
+            states = reported_states(name, json.loads(body or "[]"))
         except ValueError:
             states = {}
         current = cur.strip().rsplit("/", 1)[-1] or None
+        if current is not None and not RELEASE.fullmatch(current):
+            raise HostError(f"`current` points at {reported(current)}, not a release", host=name, step="observe")
         return HostObservation(states, current)
 
     with connect(inv, timeout=timeout, accept_new_keys=accept_new_keys) as sessions:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kimictl import remote, state
-from kimictl.errors import HostError
-from kimictl.hostops import LIVE_STATES, HostOps, Proc, compute_changes, observe, process_tag
+from kimictl.errors import HostError, reported
+from kimictl.hostops import LIVE_STATES, PROCESS_ID, RELEASE, HostOps, Proc, compute_changes, observe, process_tag
 from kimictl.inventory import Inventory
 from kimictl.logs import role_of
 from kimictl.ssh import Sessions, SSHError
@@ -94,7 +94,10 @@ def read_current(inv: Inventory, timeout: float = 30.0, accept_new_keys: bool = 
                     stdin=remote.script("read_current.py"))
         if res.rc != 0:
             raise SSHError(f"{name}: cannot read the current release: {res.stderr.strip()[-300:]}")
-        return json.loads(res.stdout)
+        try:
+            return json.loads(res.stdout)
+        except ValueError:
+            raise SSHError(f"{name}: read_current.py answered {reported(res.stdout)}, not JSON") from None
 
     with Sessions(inv, timeout=timeout, accept_new_keys=accept_new_keys) as sessions:
         got = sessions.each(one)
@@ -102,7 +105,40 @@ def read_current(inv: Inventory, timeout: float = 30.0, accept_new_keys: bool = 
     if bad:
         raise HostError(f"cannot read the current release of {len(bad)} host(s)", host=next(iter(bad)),
                         step="read current", details=[str(e) for e in bad.values()])
-    return got
+    return {h: checked_current(h, cur) for h, cur in got.items()}
+
+
+def checked_current(host: str, cur: Any) -> Any:
+    """A host's current release as it reported it, refused unless it is what deploy installs: a hex release name,
+    engines whose ids are process ids and whose command is their own rendered script, integer ports (start runs
+    these commands on the host again)."""
+    if cur is None:
+        return None
+
+    def refuse(what: str, value: Any) -> HostError:
+        return HostError(f"the current release reports {what} {reported(value)}, which kimictl never installs",
+                         host=host, step="read current")
+
+    if not (isinstance(cur, dict) and isinstance(cur.get("manifest"), dict) and isinstance(cur.get("files"), dict)
+            and all(isinstance(x, str) for kv in cur["files"].items() for x in kv)
+            and isinstance(cur["manifest"].get("engines") or [], list)):
+        raise refuse("itself as", cur)
+    if not isinstance(cur.get("release"), str) or not RELEASE.fullmatch(cur["release"]):
+        raise refuse("the release name", cur.get("release"))
+    engines, proxy = cur["manifest"].get("engines") or [], cur["manifest"].get("proxy")
+    for e in [*engines, *([proxy] if proxy else [])]:
+        if not isinstance(e, dict):
+            raise refuse("the process", e)
+        pid = "proxy" if e is proxy else e.get("id")
+        if not isinstance(pid, str) or not PROCESS_ID.match(pid):
+            raise refuse("the process id", pid)
+        scripts = (["bash", "proxy/proxy.sh"],) if e is proxy else (["bash", f"engines/{pid}.sh"],
+                                                                     ["bash", f"engines/{pid}.container.sh"])
+        if e.get("command") not in scripts:
+            raise refuse(f"{pid}'s command as", e.get("command"))
+        if type(e.get("port")) is not int:
+            raise refuse(f"{pid}'s port as", e.get("port"))
+    return cur
 
 
 def current_procs(inv: Inventory, current: dict[str, Any]) -> list[Proc]:

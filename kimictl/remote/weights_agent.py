@@ -671,17 +671,53 @@ def _edit_authorized_keys(edit) -> None:
         os.close(fd)
 
 
+# The one line kimictl writes to authorized_keys, whole: restrict, an expiry, from= IP literals, the forced command
+# (printable ASCII words but `"` and `\`, one space apart), the key, and the run's comment last. A value holding a
+# quote, a line break, a NUL or other whitespace could end the option early and start a line of its own.
+_WORD = r'[!#-\[\]-~]+'
+_ADDRESSES = r'[0-9A-Fa-f.:]+(?:,[0-9A-Fa-f.:]+)*'
+_AUTHORIZED_LINE = re.compile(rf'restrict(?:,expiry-time="\d{{8,14}}")?,from="{_ADDRESSES}",'
+                              rf'command="{_WORD}(?: {_WORD})*" [a-z0-9@.-]+ [A-Za-z0-9+/]+=* (\S+)')
+_COMMENT = re.compile(r"[A-Za-z0-9._:@-]+")
+
+
+def authorized_line_problem(line: str, comment: str) -> str | None:
+    """Why `line` is not a peer-key line kimictl may write to authorized_keys (None when it is one)."""
+    if not _COMMENT.fullmatch(comment):
+        return f"the key comment {comment[:80]!r} is not [A-Za-z0-9._:@-]+"
+    m = _AUTHORIZED_LINE.fullmatch(line)
+    if m is None:
+        return (f"{line[:300]!r} is not one line of restrict, from=\"<IP addresses>\", command=\"<printable words>\" "
+                "and the key (no quote, line break, NUL or other whitespace inside a value)")
+    if m.group(1) != comment:
+        return f"the line ends in {m.group(1)[:80]!r}, not the run's comment {comment!r}"
+    return None
+
+
+def _is_peer_key(line: str, comment: str) -> bool:
+    """A line of this run's key: its last field is the comment (a line that merely ends in it is someone else's)."""
+    return line.split()[-1:] == [comment]
+
+
 def authorize(comment: str, line: str | None) -> None:
-    """Drop the authorized_keys lines that end in `comment`, then add `line` when given."""
+    """Drop the authorized_keys lines of the key with this comment, then add `line` when given (refused with
+    ValueError unless it is exactly the one line authorized_line_problem allows)."""
+    if line is not None and (why := authorized_line_problem(line, comment)):
+        raise ValueError(f"refusing to write the peer key's authorized_keys line: {why}")
+
     def edit(lines: list[str]) -> list[str]:
-        kept = [ln for ln in lines if not ln.rstrip().endswith(comment)]
-        return [*kept, line.rstrip("\n") + "\n"] if line else kept
+        kept = [ln for ln in lines if not _is_peer_key(ln, comment)]
+        if not line:
+            return kept
+        if kept and not kept[-1].endswith("\n"):   # else the line would run on from the last key's
+            kept[-1] += "\n"
+        return [*kept, line + "\n"]
     _edit_authorized_keys(edit)
 
 
 def peer_key_lines(comment: str) -> list[str]:
     try:
-        return [ln.strip() for ln in _authorized_keys().read_text().splitlines() if ln.rstrip().endswith(comment)]
+        return [ln.strip() for ln in _authorized_keys().read_text().splitlines() if _is_peer_key(ln, comment)]
     except OSError:
         return []
 
@@ -708,7 +744,7 @@ def expiry_of(line: str) -> str | None:
 
 
 def renew_peer_key(comment: str, until: float) -> None:
-    _edit_authorized_keys(lambda lines: [with_expiry(ln, until) if ln.rstrip().endswith(comment) else ln
+    _edit_authorized_keys(lambda lines: [with_expiry(ln, until) if _is_peer_key(ln, comment) else ln
                                          for ln in lines])
 
 

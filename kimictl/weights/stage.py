@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import ipaddress
 import json
 import os
 import queue
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kimictl import state
-from kimictl.errors import HostError, InvalidInput, KimictlError, StateError
+from kimictl.errors import HostError, InvalidInput, KimictlError, StateError, reported
 from kimictl.inventory import Inventory
 from kimictl.remote import weights_agent as agent_mod
 from kimictl.secret_file import read_secret_file
@@ -227,6 +228,27 @@ def _peer(target: Target) -> dict[str, Any]:
     return {"name": target.name, "address": target.address, "port": target.port, "user": target.user}
 
 
+def peer_sources(host: str, sources: Any) -> set[str]:
+    """The addresses a host's agent says it reaches its peers from (they go into the peer key's from= on every
+    host): IP literals, else the host is refused."""
+    if sources is None:
+        return set()
+    if not isinstance(sources, list):
+        raise HostError(f"the weights agent reported sources {reported(sources)}, not a list of IP addresses",
+                        host=host, step="weights start")
+    out = set()
+    for s in sources:
+        try:
+            ip = ipaddress.ip_address(s) if isinstance(s, str) else None
+        except ValueError:
+            ip = None
+        if ip is None or getattr(ip, "scope_id", None) is not None:   # a scope (fe80::1%x) may hold anything
+            raise HostError(f"the weights agent reported the source address {reported(s)}, which is not an IP "
+                            "address; refusing the host (nothing was installed)", host=host, step="weights start")
+        out.add(str(ip))
+    return out
+
+
 def _known_hosts_line(target: Target, key) -> str:
     name = target.address if target.port == 22 else f"[{target.address}]:{target.port}"
     return f"{name} {key.get_name()} {key.get_base64()}\n"
@@ -306,7 +328,7 @@ class Stager:
             host, ev = self._next(60.0)
             if ev["ev"] == "state":
                 states[host] = ev
-                self.peer_sources.update(ev.get("sources") or [])
+                self.peer_sources.update(peer_sources(host, ev.get("sources")))
                 self._peer_key_seen(host, ev.get("peer_key"))
             elif ev["ev"] in ("locked", "error", "eof"):
                 self._abort_on(host, ev, "start")
@@ -450,7 +472,10 @@ class Stager:
         sources = sorted(self.peer_sources | {link.address for link in self.links.values()})
         command = (f"{self.c.kimi_python} -I -S {state_dir}/weights/kimi_weights_agent.py rsync-serve "
                    f"{self.c.kimi_model_dir} {state_dir}/logs/weights-peer.log")
-        return f'restrict,from="{",".join(sources)}",command="{command}" {public}'
+        line = f'restrict,from="{",".join(sources)}",command="{command}" {public}'
+        if why := agent_mod.authorized_line_problem(line, self.key_comment):   # the host checks it again
+            raise KimictlError(f"refusing to install the peer key: {why}")
+        return line
 
     def _prepare_async(self) -> None:
         def run() -> None:

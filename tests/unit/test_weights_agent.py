@@ -240,7 +240,7 @@ def test_peer_key_line_is_limited_to_the_cluster_and_expires(tmp_path, monkeypat
 
     monkeypatch.setenv("HOME", str(tmp_path))
     links = {"h1": SimpleNamespace(address="10.0.0.1"), "h3": SimpleNamespace(address="10.0.0.3")}
-    stager = SimpleNamespace(peer_sources={"10.0.0.2", "10.0.0.1"}, links=links,
+    stager = SimpleNamespace(peer_sources={"10.0.0.2", "10.0.0.1"}, links=links, key_comment="kimictl-weights:c1",
                              c=SimpleNamespace(kimi_python="python3", kimi_model_dir="/m"))
     line = Stager.authorized_line(stager, "/var/lib/kimi", "ssh-ed25519 AAAA kimictl-weights:c1")
     assert line.startswith('restrict,from="10.0.0.1,10.0.0.2,10.0.0.3",command="python3 -I -S '
@@ -259,6 +259,125 @@ def test_peer_key_line_is_limited_to_the_cluster_and_expires(tmp_path, monkeypat
     later = time.strftime("%Y%m%d%H%M", time.localtime(time.time() + 2 * agent_mod.KEY_TTL_S))
     assert f'expiry-time="{later}' in renewed and renewed.count("expiry-time") == 1
     assert renewed.split('",', 1)[1] == installed.split('",', 1)[1]
+
+
+PLANTED = '10.0.0.1"\nssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIattacker attacker\nrestrict,from="10.0.0.9'
+
+
+def _stager(**kw):
+    """A Stager with only the attributes hello and the peer key's line use (no SSH, no hosts)."""
+    import queue
+    from types import SimpleNamespace
+
+    from kimictl.weights.stage import HostReport, Stager
+
+    st = object.__new__(Stager)
+    st.m, st.digest, st.targets = SimpleNamespace(to_json=lambda: "{}"), "d1", {}
+    st.state_dir = {"h1": "/var/lib/kimi", "h2": "/var/lib/kimi"}
+    st.key_comment, st.peer_sources, st.events = "kimictl-weights:c1", set(), queue.Queue()
+    st.c = SimpleNamespace(kimi_python="python3", kimi_model_dir="/m")
+    st.reports = {h: HostReport(h) for h in ("h1", "h2")}
+    st.links = {h: SimpleNamespace(address=a, send=lambda op: None) for h, a in (("h1", "10.0.0.1"),
+                                                                                 ("h2", "10.0.0.2"))}
+    st.__dict__.update(kw)
+    return st
+
+
+@pytest.mark.parametrize("source", [PLANTED, "fe80::1%x\"\nssh-ed25519 AAAA x", "10.0.0.1 ", "host.example", 167772161,
+                                    "10.0.0.0/8", ""])
+def test_a_source_address_that_is_not_an_ip_literal_refuses_the_host_before_any_key_is_written(source):
+    """Issue 27: a host's agent reports the addresses it connects from; they become the peer key's from= on every
+    host. One holding a quote and a line break would plant a key line of its own everywhere: the host is refused
+    at hello (before the key is made or installed), its value shown as data."""
+    from types import SimpleNamespace
+
+    from kimictl.errors import HostError
+
+    st = _stager()
+    st.events.put(("h1", {"ev": "state", "sources": ["10.0.0.1"]}))
+    st.events.put(("h2", {"ev": "state", "sources": ["10.0.0.2", source]}))
+    with pytest.raises(HostError) as err:
+        st._open(SimpleNamespace(errors=dict, sessions={}), "stamps", pull=True)
+    assert err.value.host == "h2" and repr(source)[:40] in err.value.message
+    assert "\n" not in err.value.render()
+    assert st.peer_sources == {"10.0.0.1"}
+
+
+def test_source_addresses_are_kept_in_their_canonical_form():
+    from kimictl.weights.stage import peer_sources
+
+    assert peer_sources("h1", ["10.0.0.1", "::FFFF:10.0.0.2", "fd00::0001"]) == {"10.0.0.1", "::ffff:a00:2",
+                                                                                 "fd00::1"}
+    assert peer_sources("h1", None) == set()
+
+
+def test_the_peer_key_line_is_refused_on_the_control_node_and_on_the_host(tmp_path, monkeypatch):
+    """Defence in depth: were a planted value to reach the line, the control node refuses to build it and the
+    host's installer refuses to write it; authorized_keys is left as it was."""
+    from kimictl.errors import KimictlError
+
+    with pytest.raises(KimictlError, match="refusing to install the peer key"):
+        _stager(peer_sources={PLANTED}).authorized_line("/var/lib/kimi", "ssh-ed25519 AAAA kimictl-weights:c1")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    keys = tmp_path / ".ssh" / "authorized_keys"
+    keys.parent.mkdir()
+    keys.write_text("ssh-ed25519 BBBB admin@desk\n")
+    good = _stager().authorized_line("/var/lib/kimi", "ssh-ed25519 AAAA kimictl-weights:c1")
+    payload = {"key_dir": str(tmp_path / "kd"), "model_dir": str(tmp_path / "m"), "agent_src": "#", "peer_key": "k",
+               "known_hosts": "", "key_comment": "kimictl-weights:c1"}
+    bad_lines = [good.replace("10.0.0.1", PLANTED), good.replace("10.0.0.1", "10.0.0.1 10.0.0.3"),
+                 good.replace("rsync-serve", "rsync-serve\r"), good.replace("rsync-serve", "rsync-serve\0"),
+                 good.replace(" /m ", " /m\t"), good.replace(" /m ", "  /m "), good.replace(" /m ", ' /m\\" '),
+                 good.replace(" /m ", " /m\u2028"), good + "\n", good + " x", good.replace("c1", "c2"),
+                 good.replace("restrict,", "")]
+    for line in bad_lines:
+        with pytest.raises(ValueError, match="refusing to write"):
+            agent_mod.install_peer_key({**payload, "authorized_line": line})
+        assert keys.read_text() == "ssh-ed25519 BBBB admin@desk\n", line
+    agent_mod.install_peer_key({**payload, "authorized_line": good})
+    assert keys.read_text().splitlines()[0] == "ssh-ed25519 BBBB admin@desk"
+
+
+def test_cleanup_removes_every_line_kimictl_wrote_and_only_those(tmp_path, monkeypatch):
+    """The key's line goes on a line of its own (a last key without a newline is not run on), and removing it
+    leaves every other key, even one whose comment merely ends in kimictl's."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    comment = "kimictl-weights:c1"
+    keys = tmp_path / ".ssh" / "authorized_keys"
+    keys.parent.mkdir()
+    others = f"ssh-ed25519 CCCC ops-{comment}\nssh-ed25519 BBBB admin@desk"
+    keys.write_text(others)   # no newline at the end
+    line = _stager().authorized_line("/var/lib/kimi", f"ssh-ed25519 AAAA {comment}")
+    agent_mod.authorize(comment, agent_mod.with_expiry(line, 2e9))
+    lines = keys.read_text().splitlines()
+    assert lines[:2] == others.splitlines() and lines[2].startswith('restrict,expiry-time="') and len(lines) == 3
+    assert agent_mod.peer_key_lines(comment) == [lines[2]]
+    agent_mod.authorize(comment, None)
+    assert keys.read_text() == others + "\n"
+
+
+def test_the_playbooks_cleanup_removes_the_keys_line_and_leaves_the_others(tmp_path, monkeypatch):
+    """weights.yml (cleanup), for when the agents could not remove the key themselves: a real local run."""
+    import sys
+
+    from kimictl.ansible import build_run_spec, run_playbook
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    comment = "kimictl-weights:c1"
+    keys = tmp_path / ".ssh" / "authorized_keys"
+    keys.parent.mkdir()
+    others = f"ssh-ed25519 CCCC ops-{comment}\nssh-ed25519 BBBB admin@desk\n"
+    line = _stager().authorized_line("/var/lib/kimi", f"ssh-ed25519 AAAA {comment}")
+    keys.write_text(others.replace("\n", f"\n{agent_mod.with_expiry(line, 2e9)}  \n", 1))
+    (tmp_path / "sd" / "weights").mkdir(parents=True)
+    inventory = tmp_path / "inv.yml"
+    inventory.write_text(f"all:\n  hosts:\n    local1:\n      ansible_connection: local\n"
+                         f"      ansible_python_interpreter: {sys.executable}\n")
+    res = run_playbook(build_run_spec(tmp_path / "run", "weights.yml", inventory, {"kimi": {
+        "phase": "cleanup", "cluster": "c1", "state_dir_of": {"local1": str(tmp_path / "sd")}}}, ident="01-cleanup",
+        hosts=["local1"]))
+    assert res.ok, res.failures
+    assert keys.read_text() == others and not (tmp_path / "sd" / "weights").exists()
 
 
 def test_stale_peer_key_is_removed_and_reported_unless_a_pull_holds_it(tmp_path, manifest, monkeypatch):
