@@ -138,6 +138,12 @@ def _word(spec: str, kind: str, host: str, raw: str | None, hosts: list[str] | N
     return arg
 
 
+def fault_hosts(spec: str) -> set[str]:
+    """The hosts a fault spec touches (both ends of a cut-route)."""
+    f = parse_fault(spec)
+    return {f.host, str(f.arg)} if f.kind == "cut-route" else {f.host}
+
+
 def apply_to_doc(doc: dict, fault: Fault, *, peer_subnet: str | None = None, since: float | None = None) -> dict:
     """Return faults.json content for fault.host after adding fault (pure; the doubles read these keys). `since`:
     when engine-hang-now was injected (engines started before it hang; a restarted one does not)."""
