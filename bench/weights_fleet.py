@@ -309,72 +309,8 @@ class Fleet:
     def transfer(self, src: str, dest: str, paths: tuple[str, ...], landed: Callable[[str, str], None],
                  failed: Callable[[str, str], None], received: Callable[[str, str], None] | None = None,
                  progress: Callable[[str, str, int], None] | None = None) -> None:
-        p, net = self.p, self.net
-        hub = src == HUB
-        nbytes = sum(self.sizes[x] for x in paths)
-        ends = {dest} if hub else {dest, src}
-        flows: list[Flow] = []
-
-        def gone() -> bool:
-            if ends & self.dead:
-                for f in flows:
-                    net.remove(f)
-                if dest not in self.dead:
-                    for x in paths:
-                        failed(dest, x)
-                return True
-            return False
-
-        def track(f: Flow) -> None:
-            flows.append(f)
-            for h in ends:
-                self.active[h].add(f)
-
-        def hashed() -> None:
-            if not gone():
-                for x in paths:
-                    landed(dest, x)
-
-        def moved() -> None:
-            if gone():
-                return
-            if hub:
-                self.hub_bytes += nbytes
-            if received:
-                for x in paths:
-                    received(dest, x)
-            left = nbytes
-            if inline:   # hashed while it arrived: only what the hash could not keep up with is left
-                left = max(0.0, nbytes - p.hash_bps * (net.now - t_bytes[0]))
-            track(net.add(self._cpu(1 / p.hash_bps), left, hashed, cap=p.hash_bps))
-
-        inline = p.hash_inline and not hub and len(paths) == 1 and nbytes >= FOLLOW_MIN
-        res = [(self.hub if hub else self.up[src], 1.0), (self.down[dest], 1.0),
-               *self._cpu((p.cpu_hub if hub else p.cpu_peer) + (1 / p.hash_bps if inline else 0.0))]
-        head = int(nbytes * (1 - TAIL)) if progress and len(paths) == 1 else 0
-
-        def tail() -> None:   # the agent's progress events say how far a stream is
-            if not gone():
-                progress(dest, paths[0], head)
-
-        t_bytes = [0.0]
-
-        def started() -> None:
-            t_bytes[0] = net.now
-            if not gone():
-                track(net.add(res, nbytes, moved, cap=p.stream_bps, mark=nbytes - head if head else -1.0,
-                              at_mark=tail))
-
-        def waited() -> None:
-            if gone():
-                return
-            cpu = p.cpu_hub_start if hub else p.cpu_start
-            if self.cpu is not None and cpu > 0:
-                track(net.add(self._cpu(1.0), cpu, started, cap=1.0))
-            else:
-                started()
-
-        net.after(p.hub_startup_s if hub else p.startup_s, waited)
+        t = _Transfer(self, src, dest, paths, landed, failed, received, progress)
+        self.net.after(self.p.hub_startup_s if t.hub else self.p.startup_s, t.waited)
 
     def kill(self, host: str) -> None:
         self.dead.add(host)
@@ -382,6 +318,81 @@ class Fleet:
             if f.alive:
                 self.net.remove(f)
                 self.net.after(0.0, f.done)   # its transfer sees the host gone and reports the failure
+
+
+class _Transfer:
+    """One transfer through the fleet, phase by phase: start-up (and its CPU), the bytes, the hash. Each phase
+    first checks its ends are alive; when one is dead, the transfer stops and its receiver reports it failed."""
+
+    def __init__(self, fleet: Fleet, src: str, dest: str, paths: tuple[str, ...],
+                 landed: Callable[[str, str], None], failed: Callable[[str, str], None],
+                 received: Callable[[str, str], None] | None, progress: Callable[[str, str, int], None] | None):
+        p = fleet.p
+        self.fleet, self.p, self.net, self.dest, self.paths = fleet, p, fleet.net, dest, paths
+        self.landed, self.failed, self.received, self.progress = landed, failed, received, progress
+        self.hub = hub = src == HUB
+        self.nbytes = nbytes = sum(fleet.sizes[x] for x in paths)
+        self.ends = {dest} if hub else {dest, src}
+        self.flows: list[Flow] = []
+        self.inline = p.hash_inline and not hub and len(paths) == 1 and nbytes >= FOLLOW_MIN
+        self.res = [(fleet.hub if hub else fleet.up[src], 1.0), (fleet.down[dest], 1.0),
+                    *fleet._cpu((p.cpu_hub if hub else p.cpu_peer) + (1 / p.hash_bps if self.inline else 0.0))]
+        self.head = int(nbytes * (1 - TAIL)) if progress and len(paths) == 1 else 0
+        self.t_bytes = 0.0
+
+    def gone(self) -> bool:
+        if self.ends & self.fleet.dead:
+            for f in self.flows:
+                self.net.remove(f)
+            if self.dest not in self.fleet.dead:
+                for x in self.paths:
+                    self.failed(self.dest, x)
+            return True
+        return False
+
+    def track(self, f: Flow) -> None:
+        self.flows.append(f)
+        for h in self.ends:
+            self.fleet.active[h].add(f)
+
+    def waited(self) -> None:
+        """Start-up is over: its CPU (when CPU is a shared resource), then the bytes."""
+        if self.gone():
+            return
+        cpu = self.p.cpu_hub_start if self.hub else self.p.cpu_start
+        if self.fleet.cpu is not None and cpu > 0:
+            self.track(self.net.add(self.fleet._cpu(1.0), cpu, self.started, cap=1.0))
+        else:
+            self.started()
+
+    def started(self) -> None:
+        self.t_bytes = self.net.now
+        if not self.gone():
+            self.track(self.net.add(self.res, self.nbytes, self.moved, cap=self.p.stream_bps,
+                                    mark=self.nbytes - self.head if self.head else -1.0, at_mark=self.tail))
+
+    def tail(self) -> None:   # the agent's progress events say how far a stream is
+        if not self.gone():
+            self.progress(self.dest, self.paths[0], self.head)
+
+    def moved(self) -> None:
+        """The bytes are in: the hash of what it could not hash on the way."""
+        if self.gone():
+            return
+        if self.hub:
+            self.fleet.hub_bytes += self.nbytes
+        if self.received:
+            for x in self.paths:
+                self.received(self.dest, x)
+        left = self.nbytes
+        if self.inline:   # hashed while it arrived: only what the hash could not keep up with is left
+            left = max(0.0, self.nbytes - self.p.hash_bps * (self.net.now - self.t_bytes))
+        self.track(self.net.add(self.fleet._cpu(1 / self.p.hash_bps), left, self.hashed, cap=self.p.hash_bps))
+
+    def hashed(self) -> None:
+        if not self.gone():
+            for x in self.paths:
+                self.landed(self.dest, x)
 
 
 def run_kimictl(p: Params, hosts: list[str], sizes: dict[str, int], streams: int = 4,

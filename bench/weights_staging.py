@@ -35,6 +35,7 @@ import yaml
 
 from kimictl.remote.weights_agent import FAST_CIPHERS
 from kimictl.sandbox.cluster import Sandbox
+from kimictl.sandbox.inject import Injector
 
 NAIVE_DIR = "/var/lib/kimi/naive"
 PLAIN_DIR = "/var/lib/kimi/plain"
@@ -137,8 +138,9 @@ def shaped(n: int, size_mib: int, files: int, rate_mbit: int):
             hosts = [h.name for h in sb.load().hosts]
             inv = yaml.safe_load((d / "inventory.yml").read_text())
             hub = inv["all"]["vars"]["kimi_model_endpoint"]
+            injector = Injector(sb)
             for h in hosts:
-                sb.apply(sb.parse(f"slow-link:{h}:{rate_mbit}mbit"))
+                injector.apply(injector.parse(f"slow-link:{h}:{rate_mbit}mbit"))
             req = urllib.request.Request(f"{hub}/_admin/rate", data=json.dumps({"rate": f"{rate_mbit}Mbit/s"})
                                          .encode(), method="POST")
             urllib.request.urlopen(req, timeout=10).read()

@@ -360,10 +360,24 @@ class _Collector:
             if key not in ("hosts", "vars", "children"):
                 self.err(group.line_of(key), f"group '{name}': unknown section '{key}' (expected hosts, vars, children)"
                          + _dym(key, ("hosts", "vars", "children")))
-        vars_ = group.get("vars") or LineMap()
-        if not isinstance(vars_, LineMap):
-            self.err(group.line_of("vars"), f"group '{name}': vars must be a mapping")
-            vars_ = LineMap()
+        self._group_vars(name, g, self._section(name, group, "vars", "a mapping"))
+        hosts = self._section(name, group, "hosts", "a mapping of host names")
+        for host, hvars in hosts.items():
+            self._group_host(name, host, hvars, hosts.line_of(host))
+        children = self._section(name, group, "children", "a mapping of groups")
+        for child, cgroup in children.items():
+            self.walk(child, cgroup, children.line_of(child), name)
+
+    def _section(self, name: str, group: LineMap, key: str, what: str) -> LineMap:
+        """One of a group's hosts/vars/children mappings (empty when absent, or reported and empty when not a
+        mapping)."""
+        section = group.get(key) or LineMap()
+        if not isinstance(section, LineMap):
+            self.err(group.line_of(key), f"group '{name}': {key} must be {what}")
+            return LineMap()
+        return section
+
+    def _group_vars(self, name: str, g: _Group, vars_: LineMap) -> None:
         where = "all.vars" if name == "all" else f"group {name}"
         for k, v in vars_.items():
             if k == "ansible_group_priority":  # Ansible keeps it as the group's priority, not as a variable
@@ -376,37 +390,28 @@ class _Collector:
             g.origins[k] = _Origin(vars_.line_of(k), where)
         if name == "all":
             self.all_vars, self.all_origin = g.vars, g.origins
-        hosts = group.get("hosts") or LineMap()
-        if not isinstance(hosts, LineMap):
-            self.err(group.line_of("hosts"), f"group '{name}': hosts must be a mapping of host names")
-            hosts = LineMap()
-        for host, hvars in hosts.items():
-            hline = hosts.line_of(host)
-            if not _HOSTNAME.fullmatch(host):
-                self.err(hline, f"host name {host!r} is not safe: use letters, digits, '.', '_' and '-' (max 63)")
-                continue
-            if host not in self.host_line:
-                self.host_order.append(host)
-                self.host_line[host] = hline
-                self.host_groups[host] = set()
-                self.host_vars[host] = ({}, {})
-            if name != "all":
-                self.host_groups[host].add(name)
-            if hvars is None:
-                continue
-            if not isinstance(hvars, LineMap):
-                self.err(hline, f"host {host}: variables must be a mapping, got {type(hvars).__name__}")
-                continue
-            hv, ho = self.host_vars[host]
-            for k, v in hvars.items():
-                hv[k] = v
-                ho[k] = _Origin(hvars.line_of(k), f"host {host}")
-        children = group.get("children") or LineMap()
-        if not isinstance(children, LineMap):
-            self.err(group.line_of("children"), f"group '{name}': children must be a mapping of groups")
+
+    def _group_host(self, name: str, host: str, hvars: Any, hline: int) -> None:
+        """One entry of group `name`'s hosts: register the host and merge the variables given there."""
+        if not _HOSTNAME.fullmatch(host):
+            self.err(hline, f"host name {host!r} is not safe: use letters, digits, '.', '_' and '-' (max 63)")
             return
-        for child, cgroup in children.items():
-            self.walk(child, cgroup, children.line_of(child), name)
+        if host not in self.host_line:
+            self.host_order.append(host)
+            self.host_line[host] = hline
+            self.host_groups[host] = set()
+            self.host_vars[host] = ({}, {})
+        if name != "all":
+            self.host_groups[host].add(name)
+        if hvars is None:
+            return
+        if not isinstance(hvars, LineMap):
+            self.err(hline, f"host {host}: variables must be a mapping, got {type(hvars).__name__}")
+            return
+        hv, ho = self.host_vars[host]
+        for k, v in hvars.items():
+            hv[k] = v
+            ho[k] = _Origin(hvars.line_of(k), f"host {host}")
 
     def check_groups(self) -> None:
         """A group that is its own ancestor is an error in Ansible too; report it once per cycle."""

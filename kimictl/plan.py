@@ -29,7 +29,7 @@ from kimictl.facts import (
 )
 from kimictl.inventory import Host, Inventory
 from kimictl.router_kinds import RouterKind, router_kind
-from kimictl.topology import FrontLimits, Topology
+from kimictl.topology import FrontLimits, Role, Topology
 
 HCCL_DEFAULT_BUFFSIZE_MIB = 200  # HCCL's own default when HCCL_BUFFSIZE is unset
 
@@ -504,29 +504,55 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
     hw = _hardware_of(inv, topo)
     warnings: list[str] = []
     decisions: list[SwitchDecision] = []
-    with_draft = bool(topo.speculative and inv.cluster.kimi_draft_model_dir)
-    draft_method = topo.speculative.method if topo.speculative else "eagle3"
     if not prof.model and find_model(inv.cluster.kimi_model_id) is None:
         warnings.append(f"kimi_model_id {inv.cluster.kimi_model_id} has no model facts (known: "
                         f"{', '.join(m.model_id for m in model_catalogue().values())}); "
                         f"the HBM estimate and the served name are {facts.name}'s")
+    fits, role_cfg = _fit_roles(inv, topo, hw, ver, prof, facts, decisions, warnings)
+    conn = prof.connector(inv.cluster.kimi_kv_connector) if topo.mode == "pd" else None
+    groups = _assign(inv, topo, hw)
+    ports = _Ports()
+    instances, engines, host_roles = _place(topo, hw, groups, fits, conn, ports, warnings)
+    proxy = _proxy_plan(inv, topo, prof, ver, role_cfg, decisions, groups, engines, ports, conn)
+    return Plan(
+        cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,
+        vllm_ascend_version=ver.version, image=ver.image(hw, inv.cluster.kimi_image_repo), hardware=hw.name,
+        mode=topo.mode, launch=topo.launch, runtime=inv.cluster.kimi_runtime, model_dir=inv.cluster.kimi_model_dir,
+        served_model_name=facts.served_model_name, engine_profile=prof.name, kv_connector=conn[0] if conn else None,
+        host_roles=host_roles,
+        instances=instances, engines=engines, proxy=proxy, role_config=role_cfg, fits=fits, switches=decisions,
+        ports=ports.uses, warnings=warnings, engine_api_key=inv.cluster.kimi_api_key_file is not None,
+        engine_bind=topo.engine_bind,
+    )
 
-    # Per-role shape checks and HBM fit.
+
+def _npus_per_host(role: str, spec: Role, hw: Hardware, heads: int) -> int:
+    """Check one role's shape (TP divides the attention heads, DP splits over its hosts, the host has the NPUs);
+    the NPUs it uses per host."""
+    if heads % spec.tp:
+        ok = [str(t) for t in (1, 2, 4, 8, 16) if heads % t == 0]
+        choices = ok[0] if len(ok) == 1 else f"{', '.join(ok[:-1])} or {ok[-1]}"
+        raise PlanError(f"role {role}: TP {spec.tp} does not divide the model's {heads} attention heads "
+                        f"(vLLM refuses to start); use TP {choices}")
+    if spec.dp % spec.nodes:
+        raise PlanError(f"role {role}: DP {spec.dp} does not split evenly over {spec.nodes} hosts")
+    per_node = spec.dp // spec.nodes * spec.tp
+    if per_node > hw.npus:
+        raise PlanError(f"role {role}: DP{spec.dp}xTP{spec.tp} over {spec.nodes} host(s) needs {per_node} NPUs "
+                        f"per host; {hw.name} has {hw.npus}")
+    return per_node
+
+
+def _fit_roles(inv: Inventory, topo: Topology, hw: Hardware, ver: VersionProfile, prof: EngineProfile,
+               facts: ModelFacts, decisions: list[SwitchDecision],
+               warnings: list[str]) -> tuple[dict[str, MemoryFit], dict[str, RoleConfig]]:
+    """Per-role shape checks, configuration (switches, serve args, env) and HBM fit."""
+    with_draft = bool(topo.speculative and inv.cluster.kimi_draft_model_dir)
+    draft_method = topo.speculative.method if topo.speculative else "eagle3"
     fits: dict[str, MemoryFit] = {}
     role_cfg: dict[str, RoleConfig] = {}
-    heads = facts.text.num_attention_heads
     for role, spec in topo.roles.items():
-        if heads % spec.tp:
-            ok = [str(t) for t in (1, 2, 4, 8, 16) if heads % t == 0]
-            choices = ok[0] if len(ok) == 1 else f"{', '.join(ok[:-1])} or {ok[-1]}"
-            raise PlanError(f"role {role}: TP {spec.tp} does not divide the model's {heads} attention heads "
-                            f"(vLLM refuses to start); use TP {choices}")
-        if spec.dp % spec.nodes:
-            raise PlanError(f"role {role}: DP {spec.dp} does not split evenly over {spec.nodes} hosts")
-        per_node = spec.dp // spec.nodes * spec.tp
-        if per_node > hw.npus:
-            raise PlanError(f"role {role}: DP{spec.dp}xTP{spec.tp} over {spec.nodes} host(s) needs {per_node} NPUs "
-                            f"per host; {hw.name} has {hw.npus}")
+        per_node = _npus_per_host(role, spec, hw, facts.text.num_attention_heads)
         serve = topo.role_serve(role)
         ep = spec.dp * spec.tp if serve.get("enable-expert-parallel") else 1
         role_cfg[role] = _role_config(topo, role, hw, ver, ep, decisions, warnings, prof)
@@ -545,10 +571,13 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         if p.tp < d.tp or p.tp % d.tp:
             raise PlanError(f"prefill TP {p.tp} must be >= decode TP {d.tp} and divisible by it "
                             "(MooncakeConnectorV1 pulls KV from P TP ranks into D TP ranks)")
+    return fits, role_cfg
 
-    conn = prof.connector(inv.cluster.kimi_kv_connector) if topo.mode == "pd" else None
-    groups = _assign(inv, topo, hw)
-    ports = _Ports()
+
+def _place(topo: Topology, hw: Hardware, groups: dict[str, list[list[Host]]], fits: dict[str, MemoryFit],
+           conn: tuple[str, KvTransfer] | None, ports: _Ports,
+           warnings: list[str]) -> tuple[list[Instance], list[Engine], dict[str, str]]:
+    """The instances on their host groups, each with its KV port range (P/D) and engines; ports taken as it goes."""
     instances: list[Instance] = []
     engines: list[Engine] = []
     host_roles: dict[str, str] = {}
@@ -558,7 +587,6 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
                         f"(use >= {hw.kv_port_min}); expect 'Address already in use'")
     for role, role_groups in groups.items():
         spec = topo.roles[role]  # type: ignore[index]
-        per_node = spec.dp // spec.nodes
         for idx, hosts in enumerate(role_groups):
             name = f"{role}-{idx}"
             master = hosts[0]
@@ -580,55 +608,58 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
                                       rpc_port=topo.ports.rpc, kv_port=kv_port, engine_id=engine_id))
             for k, h in enumerate(hosts):
                 host_roles[h.name] = role
-                ranks = list(range(k * per_node, (k + 1) * per_node))
-                if topo.launch == "external-dp":
-                    for i, r in enumerate(ranks):
-                        port = topo.ports.http_base + i
-                        ports.take(h.name, port, port, f"{name}-dp{r} HTTP")
-                        engines.append(Engine(
-                            id=f"{name}-dp{r}", host=h.name, host_ip=h.ip, role=role, instance=name,
-                            dp_ranks=[r], dp_size=spec.dp, tp_size=spec.tp,
-                            devices=list(range(i * spec.tp, (i + 1) * spec.tp)), port=port,
-                            serves_http=True, headless=False))
-                else:
-                    port = topo.ports.http_base
-                    if k == 0:
-                        ports.take(h.name, port, port, f"{name} HTTP")
-                    engines.append(Engine(
-                        id=f"{name}-n{k}", host=h.name, host_ip=h.ip, role=role, instance=name, dp_ranks=ranks,
-                        dp_size=spec.dp, tp_size=spec.tp, devices=list(range(per_node * spec.tp)), port=port,
-                        serves_http=k == 0, headless=k > 0))
+                engines.extend(_host_engines(topo, spec, role, name, k, h, ports))
+    return instances, engines, host_roles
 
-    proxy = None
-    if topo.mode == "pd" and topo.proxy:
-        phost = inv.host(inv.cluster.kimi_proxy_host) if inv.cluster.kimi_proxy_host else \
-            inv.host(groups["prefill"][0][0].name)
-        ports.take(phost.name, topo.proxy.port, topo.proxy.port, "P/D proxy")
-        base, n = topo.proxy.router_port_base or topo.proxy.port + 1, topo.proxy.routers
-        ports.take(phost.name, base, base + 2 * n - 1, f"{n} P/D router(s) behind the proxy")
-        routers = [RouterPort(port=base + 2 * i, metrics_port=base + 2 * i + 1) for i in range(n)]
 
-        def endpoints(role: str) -> list[Endpoint]:
-            return [Endpoint(host=e.host, ip=e.host_ip, port=e.port, engine=e.id)
-                    for e in engines if e.role == role and e.serves_http]
+def _host_engines(topo: Topology, spec: Role, role: str, name: str, k: int, h: Host, ports: _Ports) -> list[Engine]:
+    """The engines of instance `name` on its k-th host: one per DP rank (external-dp), else one for all of them."""
+    per_node = spec.dp // spec.nodes
+    ranks = list(range(k * per_node, (k + 1) * per_node))
+    if topo.launch == "external-dp":
+        out = []
+        for i, r in enumerate(ranks):
+            port = topo.ports.http_base + i
+            ports.take(h.name, port, port, f"{name}-dp{r} HTTP")
+            out.append(Engine(
+                id=f"{name}-dp{r}", host=h.name, host_ip=h.ip, role=role, instance=name,
+                dp_ranks=[r], dp_size=spec.dp, tp_size=spec.tp,
+                devices=list(range(i * spec.tp, (i + 1) * spec.tp)), port=port,
+                serves_http=True, headless=False))
+        return out
+    port = topo.ports.http_base
+    if k == 0:
+        ports.take(h.name, port, port, f"{name} HTTP")
+    return [Engine(
+        id=f"{name}-n{k}", host=h.name, host_ip=h.ip, role=role, instance=name, dp_ranks=ranks,
+        dp_size=spec.dp, tp_size=spec.tp, devices=list(range(per_node * spec.tp)), port=port,
+        serves_http=k == 0, headless=k > 0)]
 
-        kind, why = _router_kind(inv, topo, prof, role_cfg, decisions, ver, phost, conn)
-        proxy = ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=kind.name,
-                          policy=topo.proxy.policy or "round_robin" if kind.name == "vllm-router" else None,
-                          prefill=endpoints("prefill"), decode=endpoints("decode"), routers=routers,
-                          api_key=inv.cluster.kimi_api_key_file is not None, router_why=why, admin_key=True,
-                          limits=FrontLimits(**{k: getattr(topo.proxy, k) for k in FrontLimits.model_fields}))
 
-    return Plan(
-        cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,
-        vllm_ascend_version=ver.version, image=ver.image(hw, inv.cluster.kimi_image_repo), hardware=hw.name,
-        mode=topo.mode, launch=topo.launch, runtime=inv.cluster.kimi_runtime, model_dir=inv.cluster.kimi_model_dir,
-        served_model_name=facts.served_model_name, engine_profile=prof.name, kv_connector=conn[0] if conn else None,
-        host_roles=host_roles,
-        instances=instances, engines=engines, proxy=proxy, role_config=role_cfg, fits=fits, switches=decisions,
-        ports=ports.uses, warnings=warnings, engine_api_key=inv.cluster.kimi_api_key_file is not None,
-        engine_bind=topo.engine_bind,
-    )
+def _proxy_plan(inv: Inventory, topo: Topology, prof: EngineProfile, ver: VersionProfile,
+                role_cfg: dict[str, RoleConfig], decisions: list[SwitchDecision],
+                groups: dict[str, list[list[Host]]], engines: list[Engine], ports: _Ports,
+                conn: tuple[str, KvTransfer] | None) -> ProxyPlan | None:
+    """The P/D proxy and its routers (None without P/D or without a proxy)."""
+    if not (topo.mode == "pd" and topo.proxy):
+        return None
+    phost = inv.host(inv.cluster.kimi_proxy_host) if inv.cluster.kimi_proxy_host else \
+        inv.host(groups["prefill"][0][0].name)
+    ports.take(phost.name, topo.proxy.port, topo.proxy.port, "P/D proxy")
+    base, n = topo.proxy.router_port_base or topo.proxy.port + 1, topo.proxy.routers
+    ports.take(phost.name, base, base + 2 * n - 1, f"{n} P/D router(s) behind the proxy")
+    routers = [RouterPort(port=base + 2 * i, metrics_port=base + 2 * i + 1) for i in range(n)]
+
+    def endpoints(role: str) -> list[Endpoint]:
+        return [Endpoint(host=e.host, ip=e.host_ip, port=e.port, engine=e.id)
+                for e in engines if e.role == role and e.serves_http]
+
+    kind, why = _router_kind(inv, topo, prof, role_cfg, decisions, ver, phost, conn)
+    return ProxyPlan(host=phost.name, ip=phost.ip, port=topo.proxy.port, router=kind.name,
+                     policy=topo.proxy.policy or "round_robin" if kind.name == "vllm-router" else None,
+                     prefill=endpoints("prefill"), decode=endpoints("decode"), routers=routers,
+                     api_key=inv.cluster.kimi_api_key_file is not None, router_why=why, admin_key=True,
+                     limits=FrontLimits(**{k: getattr(topo.proxy, k) for k in FrontLimits.model_fields}))
 
 
 def recompute_roles(role_cfg: dict[str, RoleConfig], decisions: list[SwitchDecision],

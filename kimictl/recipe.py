@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from kimictl.errors import InvalidInput
 from kimictl.facts import (
+    Hardware,
+    ModelFacts,
     SwitchSpelling,
     VersionProfile,
     deviations,
@@ -216,6 +218,31 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
     doc = load_recipe(path)
     ver = version_profile(version)
     out = _Collect()
+    hw, nodes = _layout(doc, path)
+    n = len(nodes)
+    _note_top_keys(doc, out)
+    instances = _instances(nodes, path)
+    ports = _ports(nodes, path)
+    read_keys = set(ver.additional_config_keys or [])
+    for node in nodes:
+        _map_env(node, ver, out)
+        _map_args(node, ver, read_keys, out)
+    roles, speculative = _roles(nodes, instances, path)
+    mid = str(doc["model"])
+    model = find_model(mid)
+    _note_deviations(out, ver, hw, nodes, mid, model, speculative)
+    topo = _topology(path, doc, name, hw, n, instances, ports, roles, speculative)
+    devs = deviations()
+    return ImportResult(
+        source=str(path), test_name=str(doc.get("test_name") or path.stem), model_id=mid,
+        known_model=model is not None, hardware=hw.name, hosts=n, version=ver.upstream or ver.version,
+        topology=topo, unmapped=out.unmapped,
+        deviations=[Applied(id=k, what=devs[k].what, reason=devs[k].reason, detail="; ".join(v))
+                    for k, v in out.applied.items()])
+
+
+def _layout(doc: dict[str, Any], path: Path) -> tuple[Hardware, list[_Node]]:
+    """The recipe's hosts: the Atlas hardware its npu_per_node means, and its nodes, each with its role."""
     routing = doc["routing"] or {}
     if routing.get("type") != "disaggregated_prefill":
         raise RecipeError(f"{path}: routing.type is {routing.get('type')!r}; only disaggregated_prefill (P/D) "
@@ -236,6 +263,11 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
     if sorted(role_of) != list(range(n)) or set(role_of.values()) != {"prefill", "decode"}:
         raise RecipeError(f"{path}: routing.groups must give every node index 0..{n - 1} a role, "
                           "with at least one prefiller and one decoder")
+    return hw, [_Node(i, role_of[i], configs[i], templates[i]) for i in range(n)]
+
+
+def _note_top_keys(doc: dict[str, Any], out: _Collect) -> None:
+    """Top-level recipe keys kimictl ignores or does not read."""
     for key in doc:
         if key in IGNORED_KEYS:
             if key != "test_name":
@@ -243,13 +275,11 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
         elif key not in ("model", "num_nodes", "npu_per_node", "routing", "config", "templates") \
                 and not key.startswith("env_"):
             out.miss(key, "not read", "kimictl has no equivalent")
-    nodes = [_Node(i, role_of[i], configs[i], templates[i]) for i in range(n)]
-    instances = _instances(nodes, path)
-    ports = _ports(nodes, path)
-    read_keys = set(ver.additional_config_keys or [])
-    for node in nodes:
-        _map_env(node, ver, out)
-        _map_args(node, ver, read_keys, out)
+
+
+def _roles(nodes: list[_Node], instances: dict[str, dict[str, int]],
+           path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """The topology's roles (from each role's nodes, which must agree) and its speculative section."""
     roles: dict[str, dict[str, Any]] = {}
     speculative: dict[str, Any] = {}
     for role in ("prefill", "decode"):
@@ -264,22 +294,33 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
         roles[role] = {"nodes": shape["nodes"], "dp": shape["dp"], "tp": shape["tp"], "env": dict(first.env),
                        "switches": dict(first.switches), "serve": dict(first.serve)}
         if first.speculative:
-            spec = first.speculative
-            if speculative and (speculative["method"], speculative["model_id"]) != (spec["method"], spec["model"]):
-                raise RecipeError(f"{path}: prefill and decode use different drafts; kimictl has one per topology")
-            speculative.setdefault("method", spec["method"])
-            speculative.setdefault("model_id", spec["model"])
-            speculative.setdefault("num_speculative_tokens", {})[role] = spec["num_speculative_tokens"]
-        for kv_key in ("prefill", "decode"):
-            want = {"dp_size": instances[kv_key]["dp"], "tp_size": instances[kv_key]["tp"]}
-            got = first.kv.get(kv_key)
-            if got is not None and got != want:
-                raise RecipeError(f"{path}: {first.where} kv_connector_extra_config.{kv_key} is {got}; the "
-                                  f"{kv_key} instances are DP{want['dp_size']}xTP{want['tp_size']}")
-    common_env = _common(roles, "env")
-    common_serve = _common(roles, "serve")
-    mid = str(doc["model"])
-    model = find_model(mid)
+            _add_draft(speculative, role, first.speculative, path)
+        _check_kv_shapes(first, instances, path)
+    return roles, speculative
+
+
+def _add_draft(speculative: dict[str, Any], role: str, spec: dict[str, Any], path: Path) -> None:
+    """Merge one role's --speculative-config into the topology's single draft."""
+    if speculative and (speculative["method"], speculative["model_id"]) != (spec["method"], spec["model"]):
+        raise RecipeError(f"{path}: prefill and decode use different drafts; kimictl has one per topology")
+    speculative.setdefault("method", spec["method"])
+    speculative.setdefault("model_id", spec["model"])
+    speculative.setdefault("num_speculative_tokens", {})[role] = spec["num_speculative_tokens"]
+
+
+def _check_kv_shapes(node: _Node, instances: dict[str, dict[str, int]], path: Path) -> None:
+    """A node's kv_connector_extra_config shapes must be the instances' shapes."""
+    for kv_key in ("prefill", "decode"):
+        want = {"dp_size": instances[kv_key]["dp"], "tp_size": instances[kv_key]["tp"]}
+        got = node.kv.get(kv_key)
+        if got is not None and got != want:
+            raise RecipeError(f"{path}: {node.where} kv_connector_extra_config.{kv_key} is {got}; the "
+                              f"{kv_key} instances are DP{want['dp_size']}xTP{want['tp_size']}")
+
+
+def _note_deviations(out: _Collect, ver: VersionProfile, hw: Hardware, nodes: list[_Node], mid: str,
+                     model: ModelFacts | None, speculative: dict[str, Any]) -> None:
+    """The deviations every import applies (with this recipe's details), and what is never mapped."""
     out.deviate("model-path", f"engines load kimi_model_dir; set kimi_model_id: {mid} for `kimictl weights`")
     out.deviate("served-model-name", f"kimictl --served-model-name {model.served_model_name if model else 'kimi-k2.5'}")
     out.deviate("media-path", "kimictl --allowed-local-media-path kimi_media_dir (default /var/lib/kimi/media)")
@@ -305,6 +346,14 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
              "front on port 8000 of the proxy host")
     if not model:
         out.miss("model", mid, "no kimictl model facts; the plan estimates HBM with Kimi K2.5 W4A8's numbers")
+
+
+def _topology(path: Path, doc: dict[str, Any], name: str | None, hw: Hardware, n: int,
+              instances: dict[str, dict[str, int]], ports: dict[str, int], roles: dict[str, dict[str, Any]],
+              speculative: dict[str, Any]) -> dict[str, Any]:
+    """The topology document (settings both roles share lifted to the top level), checked by Topology."""
+    common_env = _common(roles, "env")
+    common_serve = _common(roles, "serve")
     topo: dict[str, Any] = {
         "name": name or _name(path),
         "description": f"Imported from vllm-ascend recipe {doc.get('test_name') or path.stem} "
@@ -331,13 +380,7 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
     except ValidationError as exc:
         raise RecipeError(f"{path}: the imported topology is not valid",
                           details=[f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]) from None
-    devs = deviations()
-    return ImportResult(
-        source=str(path), test_name=str(doc.get("test_name") or path.stem), model_id=mid,
-        known_model=model is not None, hardware=hw.name, hosts=n, version=ver.upstream or ver.version,
-        topology=topo, unmapped=out.unmapped,
-        deviations=[Applied(id=k, what=devs[k].what, reason=devs[k].reason, detail="; ".join(v))
-                    for k, v in out.applied.items()])
+    return topo
 
 
 def _name(path: Path) -> str:

@@ -39,13 +39,15 @@ def up(
 ) -> None:
     """Create N fake Atlas hosts reachable over SSH and write DIR/inventory.yml."""
     from kimictl.sandbox.cluster import Sandbox
+    from kimictl.sandbox.inject import Injector
 
     if checkpoint_mib < 0:
         raise InvalidInput(f"--checkpoint-mib {checkpoint_mib} must be >= 0")
     if not 1 <= checkpoint_shards <= 4096:
         raise InvalidInput(f"--checkpoint-shards {checkpoint_shards} must be 1..4096")
-    res = Sandbox(directory, _log).up(hosts, hardware, cluster=name, faults=fault or [], mode=mode,
-                                      checkpoint_bytes=checkpoint_mib * 2**20, checkpoint_shards=checkpoint_shards)
+    sb = Sandbox(directory, _log)
+    res = sb.up(hosts, hardware, cluster=name, faults=fault or [], mode=mode, checkpoint_bytes=checkpoint_mib * 2**20,
+                checkpoint_shards=checkpoint_shards, inject=Injector(sb).apply)
     st = res.state
     if output == Output.json:
         emit_json({"schema_version": 1, "already_up": res.already_up, "seconds": round(res.seconds, 2),
@@ -117,12 +119,13 @@ def fault(
 ) -> None:
     """Inject faults into (or clear them from) a running sandbox."""
     from kimictl.sandbox.cluster import Sandbox
+    from kimictl.sandbox.inject import Injector
 
-    sb = Sandbox(directory, _log)
-    parsed = [sb.parse(s) for s in spec]   # all specs are checked before any is applied
+    injector = Injector(Sandbox(directory, _log))
+    parsed = [injector.parse(s) for s in spec]   # all specs are checked before any is applied
     active: list[str] = []
     for f in parsed:
-        active = sb.apply(f)
+        active = injector.apply(f)
     if output == Output.json:
         emit_json({"schema_version": 1, "applied": [f.spec for f in parsed], "active": active})
     else:

@@ -1,4 +1,5 @@
-"""Bring a simulated Atlas cluster up and down: namespaces, sshd per host, doubles, faults, client files."""
+"""Bring a simulated Atlas cluster up and down: namespaces, sshd per host, doubles, client files (faults are
+injected by kimictl/sandbox/inject.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from kimictl.ansible import make_private_dir
 from kimictl.errors import HostError, InvalidInput, KimictlError
 from kimictl.sandbox import client, layout, system
 from kimictl.sandbox.doubles import hccn_tool
-from kimictl.sandbox.faults import Fault, apply_to_doc, parse_fault
+from kimictl.sandbox.faults import Fault, fault_hosts, parse_fault
 from kimictl.sandbox.layout import HARDWARE, HostSpec, Names
 
 Log = Callable[[str], None]
@@ -35,20 +36,8 @@ CLUSTER_NAME = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 # the fake hosts mount over these, so the sandbox directory must not live below them
 FORBIDDEN_DIR_PARENTS = ("/var/lib", "/opt", "/usr/local", "/etc", "/run", "/root", "/proc", "/sys", "/dev")
 PRIVATE_DIRS = ("/var/lib", "/opt", "/usr/local", "/etc")
-SINGLE_VALUED = ("driver-mismatch", "small-disk", "slow-link", "kv-pressure")
 READY_TIMEOUT = 20.0
 PKG_DIR = Path(__file__).resolve().parent
-
-# port-taken: a listener that dies with its launcher (PDEATHSIG) so killing the launcher frees the port
-LISTENER = """
-import ctypes, signal, socket, sys
-ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((sys.argv[2], int(sys.argv[1])))
-s.listen(16)
-signal.pause()
-"""
 
 
 DEFAULT_CHECKPOINT_BYTES = 64 * 2**20
@@ -109,7 +98,7 @@ class UpResult:
     inventory: Path
 
 
-def _write(path: Path, text: str, mode: int = 0o644) -> None:
+def write_file(path: Path, text: str, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
@@ -122,13 +111,13 @@ def _install_script(src: Path, dst: Path) -> None:
     body = src.read_text()
     if body.startswith("#!"):
         body = body.split("\n", 1)[1] if "\n" in body else ""
-    _write(dst, "#!/usr/bin/python3\n" + body, 0o755)
+    write_file(dst, "#!/usr/bin/python3\n" + body, 0o755)
 
 
 def _install_hccn_tool(tools: Path, tools_on_host: str) -> None:
     """hccn_tool: the bash front (answers preflight's queries from KIMI_SIM_DIR/fast) and the Python double."""
     _install_script(PKG_DIR / "doubles" / "hccn_tool.py", tools / "hccn_tool.py")
-    _write(tools / "hccn_tool", hccn_tool.front_script(f"{tools_on_host}/hccn_tool.py"), 0o755)
+    write_file(tools / "hccn_tool", hccn_tool.front_script(f"{tools_on_host}/hccn_tool.py"), 0o755)
 
 
 def validate_dir(directory: Path) -> Path:
@@ -139,6 +128,24 @@ def validate_dir(directory: Path) -> Path:
             raise InvalidInput(f"--dir {d} is under {parent}, which every fake host mounts over",
                                hint="use a directory such as /var/tmp/kimictl-sandbox")
     return d
+
+
+def _check_up(n: int, hardware: str, cluster: str, mode: str | None, faults: list[str],
+              inject: Callable[[Fault], object] | None) -> list[Fault]:
+    """Sandbox.up's arguments, checked before anything changes; the fault specs parsed against its hosts."""
+    if not 1 <= n <= layout.MAX_HOSTS:
+        raise InvalidInput(f"--hosts {n} is out of range; expected 1..{layout.MAX_HOSTS}")
+    if hardware not in HARDWARE:
+        raise InvalidInput(f"invalid --hardware '{hardware}'; expected one of {', '.join(HARDWARE)}")
+    if not CLUSTER_NAME.fullmatch(cluster):
+        raise InvalidInput(f"invalid --name {cluster!r}; expected [a-z0-9][a-z0-9-]{{0,62}}")
+    if mode not in (None, "netns", "loopback"):
+        raise InvalidInput(f"invalid mode '{mode}'; expected netns or loopback")
+    names = [layout.host_name(i) for i in range(1, n + 1)]
+    parsed = [parse_fault(s, names, HARDWARE[hardware].npus) for s in faults]
+    if parsed and inject is None:
+        raise ValueError("Sandbox.up: faults need `inject` (kimictl.sandbox.inject.Injector(sandbox).apply)")
+    return parsed
 
 
 class Sandbox:
@@ -164,8 +171,15 @@ class Sandbox:
             raise KimictlError(f"unreadable sandbox state {self.state_path}: {exc}",
                                hint="`kimictl sandbox down` removes leftovers by name") from None
 
+    def require(self) -> SandboxState:
+        state = self.load()
+        if state is None or state.status != "up":
+            raise KimictlError(f"no sandbox is up in {self.dir}",
+                               hint="start one with `kimictl sandbox up --hosts 2 --hardware atlas-800-a3`")
+        return state
+
     def save(self, state: SandboxState) -> None:
-        _write(self.state_path, state.model_dump_json(indent=2) + "\n")
+        write_file(self.state_path, state.model_dump_json(indent=2) + "\n")
 
     def specs(self, state: SandboxState) -> list[HostSpec]:
         return layout.plan_hosts(len(state.hosts), state.hardware, state.mode, state.slot, self.dir)
@@ -173,25 +187,18 @@ class Sandbox:
     # ---- up ----------------------------------------------------------------------------------
     def up(self, n: int, hardware: str, *, cluster: str = "sandbox", faults: list[str] | None = None,
            mode: str | None = None, checkpoint_bytes: int = DEFAULT_CHECKPOINT_BYTES,
-           checkpoint_shards: int = CHECKPOINT_SHARDS) -> UpResult:
+           checkpoint_shards: int = CHECKPOINT_SHARDS, inject: Callable[[Fault], object] | None = None) -> UpResult:
         """Bring an n-host sandbox up (or report that an identical one already runs).
+
+        faults: specs checked before anything changes, then given to `inject` (kimictl/sandbox/inject.py's
+        Injector(sandbox).apply) once the sandbox is up; a sandbox this call made is torn down if one fails.
 
         Raises:
             InvalidInput: bad host count, hardware, name or fault spec (nothing was changed).
             KimictlError: the sandbox could not be built; whatever was made is torn down again.
         """
         t0 = time.monotonic()
-        if not 1 <= n <= layout.MAX_HOSTS:
-            raise InvalidInput(f"--hosts {n} is out of range; expected 1..{layout.MAX_HOSTS}")
-        if hardware not in HARDWARE:
-            raise InvalidInput(f"invalid --hardware '{hardware}'; expected one of {', '.join(HARDWARE)}")
-        if not CLUSTER_NAME.fullmatch(cluster):
-            raise InvalidInput(f"invalid --name {cluster!r}; expected [a-z0-9][a-z0-9-]{{0,62}}")
-        if mode not in (None, "netns", "loopback"):
-            raise InvalidInput(f"invalid mode '{mode}'; expected netns or loopback")
-        names = [layout.host_name(i) for i in range(1, n + 1)]
-        parsed = [parse_fault(s, names, HARDWARE[hardware].npus) for s in faults or []]
-
+        parsed = _check_up(n, hardware, cluster, mode, faults or [], inject)
         old = self.load()
         if old is not None:
             same = (old.status == "up" and len(old.hosts) == n and old.hardware == hardware
@@ -199,7 +206,7 @@ class Sandbox:
             if same and self._all_running(old):
                 self.log(f"sandbox in {self.dir} is already up ({n} x {hardware}, {old.mode} mode)")
                 for f in parsed:
-                    self.apply(f)
+                    inject(f)
                 return UpResult(self.load() or old, True, time.monotonic() - t0, self.dir / "inventory.yml")
             if old.status == "up" and not same:
                 raise InvalidInput(
@@ -240,19 +247,19 @@ class Sandbox:
                 if self._proxy_src:
                     _copy_file(self._proxy_src, self.dir / "vllm-ascend" / self._proxy_rel)
             if mode == "netns":
-                _write(self.dir / "etc_hosts", layout.etc_hosts(hosts, Names(slot).controller_ip))
+                write_file(self.dir / "etc_hosts", layout.etc_hosts(hosts, Names(slot).controller_ip))
                 self._create_network(state, hosts)
             if ckpt is not None:
                 self._start_hub(state, ckpt)
             for h, hs in zip(hosts, state.hosts, strict=True):
-                self._launch(h, hs, state)
+                self.launch_host(h, hs, state)
             self.save(state)
             self._write_client_files(state, hosts)
             self._wait_ready(state, hosts)
             state.status = "up"
             self.save(state)
             for f in parsed:
-                self.apply(f)
+                inject(f)
         except BaseException:
             self.log("up failed; removing what was created")
             try:
@@ -319,7 +326,7 @@ class Sandbox:
         if not (stamp.exists() and json.loads(stamp.read_text()).get("spec") == want):
             self.log(f"generating a {size / 2**20:.0f} MiB Kimi-shaped checkpoint in {dest}")
             files = generate_checkpoint(dest, total_bytes=size, num_shards=shards)
-            _write(stamp, json.dumps({"spec": want, "files": files}, indent=1) + "\n")
+            write_file(stamp, json.dumps({"spec": want, "files": files}, indent=1) + "\n")
         return dest
 
     def _start_hub(self, state: SandboxState, checkpoint: Path) -> None:
@@ -364,9 +371,9 @@ class Sandbox:
         usr_local, etc = roots["/usr/local"], roots["/etc"]
         sim = h.sim_dir
         (sim / "claims").mkdir(parents=True)
-        _write(sim / "host.json", json.dumps(layout.host_json(h, state.hardware, ascend_root=ascend_root),
+        write_file(sim / "host.json", json.dumps(layout.host_json(h, state.hardware, ascend_root=ascend_root),
                                              indent=2) + "\n")
-        _write(sim / "faults.json", "{}\n")
+        write_file(sim / "faults.json", "{}\n")
         hccn_tool.write_fast_state(sim)   # what the hccn_tool front answers from (after every faults.json write)
         if netns:
             (roots["/var/lib"] / "kimi-sim").mkdir()
@@ -376,17 +383,17 @@ class Sandbox:
         _install_script(PKG_DIR / "doubles" / "npu_smi.py", usr_local / "bin" / "npu-smi")
         _install_script(PKG_DIR / "doubles" / "npu_exporter.py", usr_local / "bin" / "npu-exporter")
         _install_hccn_tool(usr_local / "Ascend/driver/tools", f"{ascend_root}/driver/tools")
-        _write(usr_local / "Ascend/driver/version.info", layout.driver_version_info())
-        _write(usr_local / "Ascend/firmware/version.info", layout.firmware_version_info())
+        write_file(usr_local / "Ascend/driver/version.info", layout.driver_version_info())
+        write_file(usr_local / "Ascend/firmware/version.info", layout.firmware_version_info())
         arch = platform.machine() or "x86_64"
         tk = usr_local / "Ascend/ascend-toolkit"
-        _write(tk / layout.CANN_VERSION / f"{arch}-linux" / "ascend_toolkit_install.info",
+        write_file(tk / layout.CANN_VERSION / f"{arch}-linux" / "ascend_toolkit_install.info",
                layout.toolkit_install_info(arch))
         (tk / "latest").symlink_to(layout.CANN_VERSION)
-        _write(tk / "set_env.sh", "export ASCEND_TOOLKIT_HOME=/usr/local/Ascend/ascend-toolkit/latest\n"
+        write_file(tk / "set_env.sh", "export ASCEND_TOOLKIT_HOME=/usr/local/Ascend/ascend-toolkit/latest\n"
                                   "export ASCEND_HOME_PATH=$ASCEND_TOOLKIT_HOME\n")
-        _write(etc / "ascend_install.info", layout.ASCEND_INSTALL_INFO)
-        _write(etc / "hccn.conf", layout.hccn_conf(h.device_ips))
+        write_file(etc / "ascend_install.info", layout.ASCEND_INSTALL_INFO)
+        write_file(etc / "hccn.conf", layout.hccn_conf(h.device_ips))
         if netns:
             self._install_engine(roots["/opt"] / "kimi-sim/bin/vllm", warn=h.index == 1)
             if self._proxy_src:
@@ -397,8 +404,8 @@ class Sandbox:
         env = {} if netns else {"KIMI_SIM_DIR": str(sim),
                                 "PATH": f"{usr_local / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:"
                                         "/sbin:/bin"}
-        _write(h.dir / "sshd_config", sshd_config(h, self.dir, env))
-        _write(h.dir / "boot.sh", boot_script(h, self.dir, state.mode, state.host_python), 0o755)
+        write_file(h.dir / "sshd_config", sshd_config(h, self.dir, env))
+        write_file(h.dir / "boot.sh", boot_script(h, self.dir, state.mode, state.host_python), 0o755)
 
     def _upstream_proxy(self) -> Path | None:
         """vllm-ascend's P/D proxy from the sdist of the default version profile (fetched once, sha256-checked,
@@ -456,7 +463,7 @@ class Sandbox:
             system.run(["ip", "netns", "exec", str(h.netns), "sh", "-c",
                         f"echo 1 > /proc/sys/net/ipv4/conf/{layout.DEVICE_NIC}/promote_secondaries"])
 
-    def _launch(self, h: HostSpec, hs: HostState, state: SandboxState) -> None:
+    def launch_host(self, h: HostSpec, hs: HostState, state: SandboxState) -> None:
         """Start the host: sshd becomes PID 1 of fresh namespaces (netns) or runs under a subreaper."""
         if state.mode == "netns":
             # `ip netns exec` and unshare exec, so the pid is unshare's; --kill-child ties sshd to it
@@ -475,8 +482,8 @@ class Sandbox:
 
     def _write_client_files(self, state: SandboxState, hosts: list[HostSpec]) -> None:
         kh = "".join(client.known_hosts_line(h, (h.dir / "ssh_host_ed25519_key.pub").read_text()) for h in hosts)
-        _write(self.dir / "known_hosts", kh)
-        _write(self.dir / "ssh_config", client.ssh_config(hosts, self.dir, user=_login_user()))
+        write_file(self.dir / "known_hosts", kh)
+        write_file(self.dir / "ssh_config", client.ssh_config(hosts, self.dir, user=_login_user()))
         if state.mode == "netns":
             model_dir, engine = layout.MODEL_DIR, layout.ENGINE_COMMAND
         else:
@@ -492,7 +499,7 @@ class Sandbox:
         inv = client.inventory(hosts, state.hardware, self.dir, mode=state.mode, cluster=state.cluster,
                                model_dir=model_dir, engine_command=engine, user=_login_user(),
                                hub_url=state.hub_url, python=python, proxy_script=script)
-        _write(self.dir / "inventory.yml", client.inventory_yaml(inv))
+        write_file(self.dir / "inventory.yml", client.inventory_yaml(inv))
 
     def _wait_ready(self, state: SandboxState, hosts: list[HostSpec]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT
@@ -510,6 +517,16 @@ class Sandbox:
             if pending:
                 time.sleep(0.05)
 
+    def wait_host_ready(self, h: HostSpec, hs: HostState) -> None:
+        """Wait for one restarted host's sshd."""
+        deadline = time.monotonic() + READY_TIMEOUT
+        while not system.ssh_banner(h.ip, h.port, 0.5):
+            if not system.alive(hs.launcher_pid, hs.launcher_started):
+                raise HostError("sshd exited during restart", host=h.name, step="boot", log_tail=_tail(h))
+            if time.monotonic() > deadline:
+                raise HostError("sshd did not come back", host=h.name, step="boot", log_tail=_tail(h))
+            time.sleep(0.05)
+
     # ---- down --------------------------------------------------------------------------------
     def down(self) -> list[str]:
         """Remove every process, namespace, link, mount and file this sandbox made; safe to repeat."""
@@ -523,8 +540,8 @@ class Sandbox:
         self._close_masters(removed)
         if state:
             for hs in state.hosts:
-                self._stop_listeners(hs)
-            stopped = [hs for hs in state.hosts if self._stop_host(hs, state.mode, wait=False)]
+                self.stop_listeners(hs)
+            stopped = [hs for hs in state.hosts if self.stop_host(hs, state.mode, wait=False)]
             for p in system.wait_dead([hs.launcher_pid or 0 for hs in stopped], 5.0):
                 system.kill(p, signal.SIGKILL)
             system.wait_dead([hs.launcher_pid or 0 for hs in stopped], 2.0)
@@ -607,7 +624,7 @@ class Sandbox:
         if masters:
             removed.append(f"{len(masters)} ssh control master(s)")
 
-    def _stop_host(self, hs: HostState, mode: str, *, wait: bool = True) -> bool:
+    def stop_host(self, hs: HostState, mode: str, *, wait: bool = True) -> bool:
         """Stop one host; netns: TERM its sshd (PID 1 there), so the kernel kills the rest of the host."""
         lp = hs.launcher_pid
         if not system.alive(lp, hs.launcher_started):
@@ -629,7 +646,7 @@ class Sandbox:
             system.wait_dead([lp], 2.0)
         return True
 
-    def _stop_listeners(self, hs: HostState) -> None:
+    def stop_listeners(self, hs: HostState) -> None:
         for pid, started in hs.listeners.values():
             if system.alive(pid, started):
                 system.kill(pid)
@@ -666,7 +683,7 @@ class Sandbox:
             hosts.append({"name": hs.name, "ip": hs.ip, "port": hs.port, "netns": hs.netns,
                           "launcher_pid": hs.launcher_pid, "state": "up" if answers else "down",
                           "device_ips": hs.device_ips, "state_dir": hs.state_dir,
-                          "faults": [s for s in state.faults if _fault_hosts(s) & {hs.name}]})
+                          "faults": [s for s in state.faults if fault_hosts(s) & {hs.name}]})
         ups = sum(h["state"] == "up" for h in hosts)
         overall = ("creating" if state.status == "creating" else
                    "up" if ups == len(hosts) else "down" if ups == 0 else "degraded")
@@ -677,232 +694,6 @@ class Sandbox:
                 "hosts": hosts, "faults": list(state.faults),
                 "hub": {"url": state.hub_url, "state": "up" if system.alive(state.hub_pid, state.hub_started)
                         else "down"} if state.hub_pid else None}
-
-    # ---- faults ------------------------------------------------------------------------------
-    def require(self) -> SandboxState:
-        state = self.load()
-        if state is None or state.status != "up":
-            raise KimictlError(f"no sandbox is up in {self.dir}",
-                               hint="start one with `kimictl sandbox up --hosts 2 --hardware atlas-800-a3`")
-        return state
-
-    def parse(self, spec: str) -> Fault:
-        """Check a SPEC's syntax first (exit 2 even without a sandbox), then its hosts and NPU ids."""
-        parse_fault(spec)
-        state = self.require()
-        return parse_fault(spec, [h.name for h in state.hosts], HARDWARE[state.hardware].npus)
-
-    def apply(self, fault: Fault) -> list[str]:
-        """Inject (or clear) one fault so the doubles, the network and ssh really show it.
-
-        Returns:
-            The fault specs active afterwards.
-        """
-        state = self.require()
-        if fault.kind == "clear":
-            self._clear(state, fault.host)
-        elif fault.spec not in state.faults:
-            self._inject(state, fault)
-            state.faults.append(fault.spec)
-        self.save(state)
-        self._write_faults_json(state)
-        return list(state.faults)
-
-    def _host(self, state: SandboxState, name: str) -> tuple[HostSpec, HostState]:
-        for h, hs in zip(self.specs(state), state.hosts, strict=True):
-            if h.name == name:
-                return h, hs
-        raise InvalidInput(f"no such sandbox host '{name}'")
-
-    def _is_down(self, state: SandboxState, name: str) -> bool:
-        return f"host-down:{name}" in state.faults
-
-    def _need_up(self, state: SandboxState, name: str, kind: str) -> None:
-        if self._is_down(state, name):
-            raise HostError(f"cannot inject {kind}: the host is down (host-down fault)", host=name,
-                            hint=f"clear it first: kimictl sandbox fault clear:{name}")
-
-    def _need_netns(self, state: SandboxState, kind: str) -> None:
-        if state.mode != "netns":
-            raise KimictlError(f"{kind} needs netns mode; this sandbox runs in loopback mode")
-
-    def _inject(self, state: SandboxState, f: Fault) -> None:
-        h, hs = self._host(state, f.host)
-        netns = state.mode == "netns"
-        if f.kind in ("small-disk", "slow-link"):
-            self._need_netns(state, f.kind)
-        if f.kind in ("small-disk", "port-taken"):
-            self._need_up(state, f.host, f.kind)
-        if f.kind in SINGLE_VALUED:   # a new size/rate/version replaces the old one
-            for old in [x for x in state.faults if x.startswith(f"{f.kind}:{f.host}:")]:
-                state.faults.remove(old)
-        self.log(f"injecting {f.spec}")
-        if f.kind == "link-down" and netns:
-            system.run(["ip", "-n", str(h.netns), "addr", "del", f"{h.device_ips[int(f.arg or 0)]}/16", "dev",
-                        layout.DEVICE_NIC], check=False)
-        elif f.kind == "driver-mismatch":
-            self._write_host_file(state, h, hs, f"{layout.ASCEND_ROOT}/driver/version.info",
-                                  layout.driver_version_info(str(f.arg)))
-        elif f.kind == "small-disk":
-            self._clear_small_disk(hs)
-            self._host_exec(hs, ["sh", "-c", f"mkdir -p {layout.MODELS_PARENT} && mount -t tmpfs -o "
-                                 f"size={f.arg},mode=755 kimi-small-disk {layout.MODELS_PARENT}"])
-        elif f.kind == "host-down":
-            self._stop_listeners(hs)
-            self._stop_host(hs, state.mode)
-        elif f.kind == "slow-link":
-            tbf = ["root", "tbf", "rate", str(f.arg), "burst", "64kb", "latency", "100ms"]
-            system.run(["tc", "qdisc", "replace", "dev", Names(state.slot).veth_control(h.index), *tbf])
-            system.run(["ip", "netns", "exec", str(h.netns), "tc", "qdisc", "replace", "dev",
-                        layout.CONTROL_NIC, *tbf])
-        elif f.kind == "cut-route" and netns:
-            peer, _ = self._host(state, str(f.arg))
-            names = Names(state.slot)
-            for a, b in ((h, peer), (peer, h)):
-                system.run(["ip", "-n", str(a.netns), "route", "replace", "blackhole", names.device_subnet(b.index)])
-        elif f.kind == "port-taken":
-            self._take_port(state, hs, int(f.arg or 0))
-        elif f.kind == "engine-crash":
-            state.spare_tags[h.name] = self._running_tags(state, h)
-        elif f.kind == "engine-hang-now":
-            state.hang_since[f.spec] = time.time()
-        elif f.kind in ("npu-unhealthy", "engine-crash", "engine-hang", "kv-pressure"):
-            pass   # faults.json only: the doubles and the engine simulator read it on every call
-
-    def _clear(self, state: SandboxState, target: str) -> None:
-        gone = [s for s in state.faults if target == "all" or target in _fault_hosts(s)]
-        # restart downed hosts first so the other undo steps can reach them
-        gone.sort(key=lambda s: not s.startswith("host-down:"))
-        for spec in gone:
-            self.log(f"clearing {spec}")
-            self._undo(state, parse_fault(spec))
-            state.faults.remove(spec)
-            if spec.startswith("engine-crash:"):
-                state.spare_tags.pop(parse_fault(spec).host, None)
-            state.hang_since.pop(spec, None)
-
-    def _undo(self, state: SandboxState, f: Fault) -> None:
-        h, hs = self._host(state, f.host)
-        names = Names(state.slot)
-        if f.kind == "host-down":
-            self._launch(h, hs, state)
-            self.save(state)
-            self._wait_ready_pair(h, hs)
-        elif f.kind == "link-down" and state.mode == "netns":
-            ip = h.device_ips[int(f.arg or 0)]
-            system.run(["ip", "-n", str(h.netns), "addr", "replace", f"{ip}/16", "dev", layout.DEVICE_NIC],
-                       check=False)
-            # peers cached a FAILED neighbour entry while the address was gone; forget it
-            for other in self.specs(state):
-                if other.name != h.name:
-                    system.run(["ip", "-n", str(other.netns), "neigh", "flush", "to", ip], check=False)
-        elif f.kind == "driver-mismatch":
-            self._write_host_file(state, h, hs, f"{layout.ASCEND_ROOT}/driver/version.info",
-                                  layout.driver_version_info())
-        elif f.kind == "small-disk":
-            if not self._is_down(state, h.name):
-                self._clear_small_disk(hs)
-        elif f.kind == "slow-link":
-            system.run(["tc", "qdisc", "del", "dev", names.veth_control(h.index), "root"], check=False)
-            system.run(["ip", "netns", "exec", str(h.netns), "tc", "qdisc", "del", "dev", layout.CONTROL_NIC,
-                        "root"], check=False)
-        elif f.kind == "cut-route" and state.mode == "netns":
-            peer, _ = self._host(state, str(f.arg))
-            for a, b in ((h, peer), (peer, h)):
-                system.run(["ip", "-n", str(a.netns), "route", "del", "blackhole", names.device_subnet(b.index)],
-                           check=False)
-        elif f.kind == "port-taken":
-            pid_started = hs.listeners.pop(str(f.arg), None)
-            if pid_started and system.alive(*pid_started):
-                system.kill(pid_started[0])
-                system.wait_dead([pid_started[0]], 2.0)
-
-    def _wait_ready_pair(self, h: HostSpec, hs: HostState) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT
-        while not system.ssh_banner(h.ip, h.port, 0.5):
-            if not system.alive(hs.launcher_pid, hs.launcher_started):
-                raise HostError("sshd exited during restart", host=h.name, step="boot", log_tail=_tail(h))
-            if time.monotonic() > deadline:
-                raise HostError("sshd did not come back", host=h.name, step="boot", log_tail=_tail(h))
-            time.sleep(0.05)
-
-    def _sshd_pid(self, hs: HostState) -> int:
-        kids = system.children(hs.launcher_pid or 0) if system.alive(hs.launcher_pid, hs.launcher_started) else []
-        if not kids:
-            raise HostError("host is not running", host=hs.name)
-        return kids[0]
-
-    def _host_exec(self, hs: HostState, argv: list[str], input: str | None = None) -> None:
-        """Run argv inside the host's namespaces (mounts, pids, network) via nsenter."""
-        pid = self._sshd_pid(hs)
-        system.run(["nsenter", "-t", str(pid), "--net", "--mount", "--uts", "--pid", "--", *argv], input=input)
-
-    def _write_host_file(self, state: SandboxState, h: HostSpec, hs: HostState, path: str, text: str) -> None:
-        """Write a file at its path on the host: through its mount ns, or into the overlay upper dir if down."""
-        if state.mode == "loopback":
-            _write(h.root / path.lstrip("/"), text)
-        elif self._is_down(state, h.name) or not system.alive(hs.launcher_pid, hs.launcher_started):
-            # no mount namespace uses the overlay now, so its upper dir may be edited directly
-            _write(h.dir / "ovl/usr_local/upper" / Path(path).relative_to("/usr/local"), text)
-        else:
-            self._host_exec(hs, ["sh", "-c", f'cat > "{path}.tmp" && mv "{path}.tmp" "{path}"'], input=text)
-
-    def _clear_small_disk(self, hs: HostState) -> None:
-        self._host_exec(hs, ["sh", "-c", f"while mountpoint -q {layout.MODELS_PARENT}; do "
-                                         f"umount {layout.MODELS_PARENT} || exit 1; done"])
-
-    def _take_port(self, state: SandboxState, hs: HostState, port: int) -> None:
-        bind_ip = "0.0.0.0" if state.mode == "netns" else hs.ip
-        if state.mode == "netns":
-            argv = ["nsenter", "-t", str(self._sshd_pid(hs)), "--net", "--mount", "--uts", "--pid", "--",
-                    "/usr/bin/python3", "-c", LISTENER, str(port), bind_ip]
-        else:
-            argv = ["/usr/bin/python3", "-c", LISTENER, str(port), bind_ip]
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, start_new_session=True)
-        deadline = time.monotonic() + 5
-        while not system.port_open(hs.ip, port, 0.2):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                err = proc.stderr.read().decode(errors="replace") if proc.poll() is not None and proc.stderr else ""
-                proc.kill()
-                raise HostError(f"could not listen on port {port}", host=hs.name, step="port-taken",
-                                log_tail=err[-800:] or None)
-            time.sleep(0.05)
-        if proc.stderr:
-            proc.stderr.close()
-        hs.listeners[str(port)] = (proc.pid, system.start_time(proc.pid) or "")
-
-    def _running_tags(self, state: SandboxState, h: HostSpec) -> list[str]:
-        """Release tags of the processes kimictl's supervisor runs on h (its state files)."""
-        run = (h.dir / "ovl/var_lib/upper/kimi/run") if state.mode == "netns" else \
-            Path(h.state_dir or h.dir / "state") / "run"
-        tags = []
-        for path in sorted(run.glob("*.json")) if run.is_dir() else []:
-            with contextlib.suppress(OSError, ValueError):
-                st = json.loads(path.read_text())
-                if st.get("state") in ("running", "starting", "backoff") and st.get("tag"):
-                    tags.append(st["tag"])
-        return tags
-
-    def _write_faults_json(self, state: SandboxState) -> None:
-        specs = self.specs(state)
-        by_name = {h.name: h for h in specs}
-        for h in specs:
-            doc: dict = {}
-            for spec in state.faults:
-                f = parse_fault(spec)
-                if f.kind == "cut-route":
-                    # netns: the kernel drops the traffic (blackhole routes); loopback: the doubles must
-                    if state.mode == "loopback" and h.name in (f.host, f.arg):
-                        peer = by_name[str(f.arg) if f.host == h.name else f.host]
-                        subnet = ".".join(peer.device_ips[0].split(".")[:3]) + ".0/24"
-                        doc = apply_to_doc(doc, Fault("cut-route", h.name, peer.name), peer_subnet=subnet)
-                elif f.host == h.name:
-                    doc = apply_to_doc(doc, f, since=state.hang_since.get(spec))
-            if "engine_crash_at_start" in doc and state.spare_tags.get(h.name):
-                doc["engine_crash_spare_tags"] = state.spare_tags[h.name]
-            _write(h.sim_dir / "faults.json", json.dumps(doc, indent=2) + "\n")
-            hccn_tool.write_fast_state(h.sim_dir)
 
 
 def _copy_file(src: Path, dst: Path) -> None:
@@ -936,11 +727,6 @@ def _floor_python_info() -> dict[str, str] | None:
 def _login_user() -> str:
     """root normally; a non-root loopback sandbox can only log its own user in."""
     return "root" if os.geteuid() == 0 else getpass.getuser()
-
-
-def _fault_hosts(spec: str) -> set[str]:
-    f = parse_fault(spec)
-    return {f.host, str(f.arg)} if f.kind == "cut-route" else {f.host}
 
 
 def _tail(h: HostSpec, n: int = 15) -> str | None:

@@ -32,6 +32,7 @@ KINDS: dict[str, tuple[tuple[str, ...], int]] = {
     "clear": ((), 0),
 }
 DEFAULT_KV_PRESSURE_TOKENS = 4
+_NUMBER_KINDS = ("npu-unhealthy", "link-down", "port-taken", "kv-pressure")  # their argument is an int
 
 USAGE = ("npu-unhealthy:HOST:NPU, link-down:HOST:NPU, driver-mismatch:HOST[:VERSION], small-disk:HOST[:SIZE], "
          "host-down:HOST, slow-link:HOST:RATE, cut-route:HOST:HOST, engine-crash:HOST[:ROLE], "
@@ -62,6 +63,15 @@ def parse_fault(spec: str, hosts: list[str] | None = None, npus: int | None = No
     Raises:
         InvalidInput: naming the bad part of the spec.
     """
+    kind, host, raw = _split(spec, hosts)
+    if kind in _NUMBER_KINDS:
+        return Fault(kind, host, _number(spec, kind, host, raw, npus))
+    return Fault(kind, host, _word(spec, kind, host, raw, hosts))
+
+
+def _split(spec: str, hosts: list[str] | None) -> tuple[str, str, str | None]:
+    """KIND, HOST and the argument (None when not given) of a spec with a known kind, a known host and as many
+    parts as its kind takes."""
     parts = spec.strip().split(":")
     kind = parts[0]
     if kind not in KINDS:
@@ -78,24 +88,32 @@ def parse_fault(spec: str, hosts: list[str] | None = None, npus: int | None = No
         raise _bad(spec, host, "'all' is only allowed with clear")
     if hosts is not None and host != "all" and host not in hosts:
         raise _bad(spec, host, f"no such sandbox host; hosts are {', '.join(hosts)}")
-    raw = args[0] if args else None
-    arg: str | int | None = raw
+    return kind, host, args[0] if args else None
+
+
+def _number(spec: str, kind: str, host: str, raw: str | None, npus: int | None) -> int:
+    """The checked argument of a fault that takes a number (an NPU id, a port, a token count)."""
     if kind in ("npu-unhealthy", "link-down"):
         if not raw or not (raw.isascii() and raw.isdigit()):
             raise _bad(spec, raw or "", "NPU id must be a non-negative integer")
         arg = int(raw)
         if npus is not None and arg >= npus:
             raise _bad(spec, raw, f"NPU id out of range; {host} has NPUs 0..{npus - 1}")
-    elif kind == "port-taken":
+        return arg
+    if kind == "port-taken":
         if not raw or not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 65535:
             raise _bad(spec, raw or "", "PORT must be an integer in 1..65535")
-        arg = int(raw)
-    elif kind == "kv-pressure":
-        raw = raw or str(DEFAULT_KV_PRESSURE_TOKENS)
-        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 1_000_000:
-            raise _bad(spec, raw, "TOKENS must be an integer in 1..1000000 (generated tokens before the recompute)")
-        arg = int(raw)
-    elif kind == "slow-link":
+        return int(raw)
+    raw = raw or str(DEFAULT_KV_PRESSURE_TOKENS)  # kv-pressure
+    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= 1_000_000:
+        raise _bad(spec, raw, "TOKENS must be an integer in 1..1000000 (generated tokens before the recompute)")
+    return int(raw)
+
+
+def _word(spec: str, kind: str, host: str, raw: str | None, hosts: list[str] | None) -> str | None:
+    """The checked argument (default filled in) of any other fault: a rate, a size, a version, a role, a peer."""
+    arg = raw
+    if kind == "slow-link":
         if not raw or not _RATE.fullmatch(raw):
             raise _bad(spec, raw or "", "RATE must look like 200mbit, 1gbit or 500kbit")
     elif kind == "small-disk":
@@ -117,7 +135,13 @@ def parse_fault(spec: str, hosts: list[str] | None = None, npus: int | None = No
             raise _bad(spec, raw, "cut-route needs two different hosts")
         if hosts is not None and raw not in hosts:
             raise _bad(spec, raw, f"no such sandbox host; hosts are {', '.join(hosts)}")
-    return Fault(kind, host, arg)
+    return arg
+
+
+def fault_hosts(spec: str) -> set[str]:
+    """The hosts a fault spec touches (both ends of a cut-route)."""
+    f = parse_fault(spec)
+    return {f.host, str(f.arg)} if f.kind == "cut-route" else {f.host}
 
 
 def apply_to_doc(doc: dict, fault: Fault, *, peer_subnet: str | None = None, since: float | None = None) -> dict:

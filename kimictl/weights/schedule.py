@@ -347,20 +347,14 @@ class Schedule:
         return free
 
     def _peers(self) -> list[Transfer]:
-        n = len(self.hosts)
-        free = 0
-        if self.ready:
-            for s in range(n):
-                if self.alive[s] and self.n_out[s] < self.limit[s]:
-                    free |= 1 << s
-        if self.control and self.n_out[self.ctl] < self.limit[self.ctl]:
-            free |= 1 << self.ctl
+        free = self._free_sources()
         if not free:
             return []
         avail = 0
         for p, mask in enumerate(self.holders):
             if mask & free & ~self.busy_with[p]:
                 avail |= 1 << p
+        n = len(self.hosts)
         want = {h: self.full & ~self.have[h] & ~self.inflight[h] for h in range(n) if self._slots(h) > 0}
         receivers = sorted((h for h, w in want.items() if w & avail), key=lambda h: (self.bytes[h], h))
         if not receivers:
@@ -371,35 +365,14 @@ class Schedule:
             more = []
             for h in receivers:
                 cand = want[h] & avail
-                pick = srcs = 0
-                for p in rarity:
-                    if cand >> p & 1:
-                        srcs = self.holders[p] & free & ~self.busy_with[p] & ~self.avoid.get((h, p), 0)
-                        if srcs:
-                            pick = p
-                            break
+                pick, srcs = self._rarest(h, cand, rarity, free)
                 if not srcs:
                     continue
                 src = self._source(srcs)
-                group = [pick]
-                if src != self.ctl and self.size[pick] < self.batch_bytes:   # more from the same holder
-                    total = self.size[pick]
-                    for q in rarity:
-                        if q != pick and cand >> q & 1 and self.holders[q] >> src & 1:
-                            if total + self.size[q] > self.batch_bytes:
-                                break
-                            group.append(q)
-                            total += self.size[q]
-                self._start(h, src, group)
-                self.n_in[h] += 1
-                self.n_out[src] += 1
-                self.clock += 1
-                self.used[src] = self.clock
+                group = self._batch(src, pick, cand, rarity)
+                self._send(h, src, group)
                 for q in group:
                     want[h] &= ~(1 << q)
-                    k = self.sending[(src, q)] = self.sending.get((src, q), 0) + 1
-                    if k >= self.fanout:
-                        self.busy_with[q] |= 1 << src
                 if self.n_out[src] >= self.limit[src]:
                     free &= ~(1 << src)
                 for q in _bits(avail & (self.full if src == self.ctl else self.have[src])):
@@ -413,6 +386,53 @@ class Schedule:
                     more.append(h)
             receivers = sorted(more, key=lambda h: (self.bytes[h], h))
         return out
+
+    def _free_sources(self) -> int:
+        """The sources (hosts once the peer key is in place, this machine in control mode) with a free outgoing
+        stream."""
+        free = 0
+        if self.ready:
+            for s in range(len(self.hosts)):
+                if self.alive[s] and self.n_out[s] < self.limit[s]:
+                    free |= 1 << s
+        if self.control and self.n_out[self.ctl] < self.limit[self.ctl]:
+            free |= 1 << self.ctl
+        return free
+
+    def _rarest(self, h: int, cand: int, rarity: list[int], free: int) -> tuple[int, int]:
+        """The rarest of the files `cand` host h may take that a free holder (not one to avoid) can send, and
+        those holders (0: none)."""
+        for p in rarity:
+            if cand >> p & 1:
+                srcs = self.holders[p] & free & ~self.busy_with[p] & ~self.avoid.get((h, p), 0)
+                if srcs:
+                    return p, srcs
+        return 0, 0
+
+    def _batch(self, src: int, pick: int, cand: int, rarity: list[int]) -> list[int]:
+        """pick, and when it is small more of the files `cand` from the same holder, up to batch_bytes in all."""
+        group = [pick]
+        if src != self.ctl and self.size[pick] < self.batch_bytes:   # more from the same holder
+            total = self.size[pick]
+            for q in rarity:
+                if q != pick and cand >> q & 1 and self.holders[q] >> src & 1:
+                    if total + self.size[q] > self.batch_bytes:
+                        break
+                    group.append(q)
+                    total += self.size[q]
+        return group
+
+    def _send(self, h: int, src: int, group: list[int]) -> None:
+        """Record a peer stream of `group` from src into h: its slots, and src's copies of each file."""
+        self._start(h, src, group)
+        self.n_in[h] += 1
+        self.n_out[src] += 1
+        self.clock += 1
+        self.used[src] = self.clock
+        for q in group:
+            k = self.sending[(src, q)] = self.sending.get((src, q), 0) + 1
+            if k >= self.fanout:
+                self.busy_with[q] |= 1 << src
 
     def _source(self, srcs: int) -> int:
         """The least busy holder, a host before this machine; ties go to the one that has waited longest."""

@@ -519,59 +519,23 @@ class Stager:
         if len(hosts) > 1:
             self._prepare_async()
 
-        def dispatch() -> None:
-            for t in sched.next():
-                if t.src == HUB:
-                    self._hub(t.dest, list(t.paths), t.lane)
-                    continue
-                self._mark("fetch", t.dest, src=t.src, paths=list(t.paths))
-                if t.src == CONTROL:
-                    threading.Thread(target=self._push, args=(t.dest, t.paths[0]), daemon=True).start()
-                else:
-                    kd = f"{self.state_dir[t.dest]}/weights"
-                    self.links[t.dest].send({"op": "fetch", "paths": list(t.paths), "peer": _peer(self.targets[t.src]),
-                                             "key": f"{kd}/peer_key", "known_hosts": f"{kd}/known_hosts"})
-            for h in sched.finishing():
-                if h not in completed:
-                    self.links[h].send({"op": "finish"})
-
-        dispatch()
+        self._dispatch(sched, completed)
         while len(completed | failed) < len(hosts):
             host, ev = self._next(STALL_S)
             kind = ev["ev"]
             if host in failed:
                 continue
             if kind == "progress":
-                inflight_bytes[(host, ev["path"])] = int(ev["bytes"])
-                if time.monotonic() - marked.get((host, ev["path"]), 0.0) >= TIMELINE_PROGRESS_S:
-                    marked[(host, ev["path"])] = time.monotonic()
-                    self._mark("progress", host, path=ev["path"], bytes=int(ev["bytes"]))
-                self.r.progress(host, done_bytes[host] + sum(v for (h, _), v in inflight_bytes.items() if h == host))
-                if sched.progress(host, ev["path"], int(ev["bytes"])):
-                    dispatch()
+                if self._progressed(sched, host, ev, inflight_bytes, marked, done_bytes):
+                    self._dispatch(sched, completed)
                 continue
             if kind == "received":
                 sched.received(host, ev["path"])
             elif kind == "done":
-                p = ev["path"]
-                self._mark("done", host, path=p, via=ev["via"], bytes=self.size[p])
-                sched.landed(host, p)
-                inflight_bytes.pop((host, p), None)
-                done_bytes[host] += self.size[p]
-                via = ev["via"]
-                self.reports[host].received[via] = self.reports[host].received.get(via, 0) + self.size[p]
-                self.r.progress(host, done_bytes[host])
+                self._landed(sched, host, ev, inflight_bytes, done_bytes)
             elif kind == "fail":
-                p = ev["path"]
-                inflight_bytes.pop((host, p), None)
-                n = sched.failed(host, p)
-                if not n:   # its source failed and was given up on already
+                if not self._transfer_failed(sched, host, ev, inflight_bytes):
                     continue
-                self.r.say(f"weights: {host}: {p} from {ev['via']} failed (try {n}/{MAX_TRIES}): "
-                           f"{ev['error'][-300:]}")
-                if n >= MAX_TRIES:
-                    raise HostError(f"{p} could not be staged after {n} tries: {ev['error'][-500:]}", host=host,
-                                    step=f"weights from {ev['via']}")
             elif kind == "complete":
                 self._mark("complete", host)
                 completed.add(host)
@@ -588,9 +552,67 @@ class Stager:
                 self._host_failed(host, ev)
                 failed.add(host)
                 sched.host_failed(host)
-            dispatch()
+            self._dispatch(sched, completed)
         if self.prepared and not failed:
             self._agents_cleanup(peers_ready)
+
+    def _dispatch(self, sched: Schedule, completed: set[str]) -> None:
+        """Start the transfers the scheduler decides on now; finish the hosts that hold everything."""
+        for t in sched.next():
+            if t.src == HUB:
+                self._hub(t.dest, list(t.paths), t.lane)
+                continue
+            self._mark("fetch", t.dest, src=t.src, paths=list(t.paths))
+            if t.src == CONTROL:
+                threading.Thread(target=self._push, args=(t.dest, t.paths[0]), daemon=True).start()
+            else:
+                kd = f"{self.state_dir[t.dest]}/weights"
+                self.links[t.dest].send({"op": "fetch", "paths": list(t.paths), "peer": _peer(self.targets[t.src]),
+                                         "key": f"{kd}/peer_key", "known_hosts": f"{kd}/known_hosts"})
+        for h in sched.finishing():
+            if h not in completed:
+                self.links[h].send({"op": "finish"})
+
+    def _progressed(self, sched: Schedule, host: str, ev: dict, inflight_bytes: dict[tuple[str, str], int],
+                    marked: dict[tuple[str, str], float], done_bytes: dict[str, int]) -> bool:
+        """Bytes of a file reached host: the timeline (now and then) and the bar; True when a slot was freed."""
+        inflight_bytes[(host, ev["path"])] = int(ev["bytes"])
+        if time.monotonic() - marked.get((host, ev["path"]), 0.0) >= TIMELINE_PROGRESS_S:
+            marked[(host, ev["path"])] = time.monotonic()
+            self._mark("progress", host, path=ev["path"], bytes=int(ev["bytes"]))
+        self.r.progress(host, done_bytes[host] + sum(v for (h, _), v in inflight_bytes.items() if h == host))
+        return sched.progress(host, ev["path"], int(ev["bytes"]))
+
+    def _landed(self, sched: Schedule, host: str, ev: dict, inflight_bytes: dict[tuple[str, str], int],
+                done_bytes: dict[str, int]) -> None:
+        """A file is verified in place on host."""
+        p = ev["path"]
+        self._mark("done", host, path=p, via=ev["via"], bytes=self.size[p])
+        sched.landed(host, p)
+        inflight_bytes.pop((host, p), None)
+        done_bytes[host] += self.size[p]
+        via = ev["via"]
+        self.reports[host].received[via] = self.reports[host].received.get(via, 0) + self.size[p]
+        self.r.progress(host, done_bytes[host])
+
+    def _transfer_failed(self, sched: Schedule, host: str, ev: dict,
+                         inflight_bytes: dict[tuple[str, str], int]) -> int:
+        """A transfer into host failed: how often so far (0: its source failed and was given up on already).
+
+        Raises:
+            HostError: the file failed MAX_TRIES times.
+        """
+        p = ev["path"]
+        inflight_bytes.pop((host, p), None)
+        n = sched.failed(host, p)
+        if not n:
+            return 0
+        self.r.say(f"weights: {host}: {p} from {ev['via']} failed (try {n}/{MAX_TRIES}): "
+                   f"{ev['error'][-300:]}")
+        if n >= MAX_TRIES:
+            raise HostError(f"{p} could not be staged after {n} tries: {ev['error'][-500:]}", host=host,
+                            step=f"weights from {ev['via']}")
+        return n
 
     def _host_failed(self, host: str, ev: dict) -> None:
         """A host's agent died or gave up mid-run: the others go on without it; its report says why."""
