@@ -19,7 +19,7 @@ from kimictl import health, remote
 from kimictl.errors import HostError, guide
 from kimictl.inventory import Inventory
 from kimictl.remote import reserve_ports
-from kimictl.router_kinds import proxy_ready
+from kimictl.routers import proxy_ready
 from kimictl.secret_file import engine_api_key, engine_key_file, proxy_admin_key, proxy_admin_key_path, proxy_api_key
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 

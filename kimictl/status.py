@@ -13,7 +13,7 @@ from kimictl.facts import engine_profile
 from kimictl.inventory import Inventory
 from kimictl.observe_up import monitoring_status
 from kimictl.render import PROXY_FRONT_STATE
-from kimictl.router_kinds import RouterError, membership_client, proxy_ready
+from kimictl.routers import RouterError, membership_client, proxy_ready
 from kimictl.secret_file import engine_api_key, proxy_admin_key, proxy_api_key
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import current as recorded_release
