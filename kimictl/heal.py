@@ -15,7 +15,8 @@ What counts as broken, per slice (one DP group, the unit that restarts together)
 
 Flap damping: at most `max_actions` actions per slice within `window_s` (the event log per cluster,
 `kimictl.state.heal_events`); one more is refused and the run escalates (exit 1 with the reason). The steps
-themselves are the rollout's (`kimictl.rollout.steps.SliceSteps`); a heal restarts a slice on the release it runs.
+themselves are the slice wing's, shared with the rollout (`kimictl.slices.steps.SliceSteps`); a heal restarts a
+slice on the release it runs.
 """
 
 from __future__ import annotations
@@ -27,19 +28,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import yaml
 
 from kimictl import health, state
+from kimictl.deployed import current_deployment
 from kimictl.errors import EXIT_DEGRADED, EXIT_FAILED, EXIT_OK, HostError, InvalidInput, KimictlError
 from kimictl.facts import DATA_DIR
 from kimictl.hostops import HostObservation, HostOps, Proc, desired_procs, exit_text
 from kimictl.inventory import Inventory
 from kimictl.render import Rendered
-from kimictl.rollout.router import AscendProxyAdmin, FrontControl, RouterAdmin, RouterError, pair_probe
-from kimictl.rollout.slices import Endpoint, Slice
-from kimictl.rollout.steps import SliceSteps, StepOptions
+from kimictl.routers import AscendProxyAdmin, FrontControl, RouterAdmin, RouterError
+from kimictl.slices.model import Endpoint, Slice
+from kimictl.slices.probes import pair_probe
+from kimictl.slices.steps import SliceSteps, StepOptions
+from kimictl.topology import Heal as TopologyHeal
 
 HEAL_SCHEMA_VERSION = 1
 RESTART_KINDS = ("dead", "hung", "failing", "pair", "stale-peer")
@@ -51,6 +55,19 @@ ALIVE = ("starting", "running")  # supervisor states of a process that runs (bac
 def heal_defaults() -> dict[str, float]:
     """kimictl/data/heal.yml."""
     return yaml.safe_load((DATA_DIR / "heal.yml").read_text())
+
+
+class HealGiven(TypedDict, total=False):
+    """What the command line gave for a heal round (left out or None: not given)."""
+
+    dry_run: bool
+    hang_deadline: float | None
+    max_actions: int | None
+    window: float | None
+    drain_timeout: float | None
+    drain_quiet: float | None
+    ready_timeout: float | None
+    accept_new_host_keys: bool
 
 
 @dataclass
@@ -65,7 +82,7 @@ class HealOptions(StepOptions):
     accept_new_host_keys: bool = False
 
     @classmethod
-    def resolve(cls, topology_heal: Any = None, **given: Any) -> HealOptions:
+    def resolve(cls, topology_heal: TopologyHeal | None = None, **given: Unpack[HealGiven]) -> HealOptions:
         """heal.yml, the topology's `heal:` section over it, then what the command line gave (None: not given)."""
         d = heal_defaults()
         t = topology_heal
@@ -145,27 +162,43 @@ def _started(st: dict[str, Any] | None) -> float | None:
         return None
 
 
-class Healer(SliceSteps):
+@dataclass(frozen=True)
+class HealInputs:
+    """What a heal round starts from (`prepare_heal`): the inventory, the current release record, its render
+    snapshot and its topology's `heal:` section (None: not set, or the topology file is not readable here)."""
+
+    inventory: Inventory
+    record: state.ReleaseRecord
+    rendered: Rendered
+    topology_heal: TopologyHeal | None = None
+
+
+class Healer:
     """One heal round over a deployed P/D cluster: `detect`, `plan`, then `act` (unless dry-run)."""
 
-    def __init__(self, inv: Inventory, record: state.ReleaseRecord, rendered: Rendered, opts: HealOptions,
-                 say: Callable[[str], None], on_event: Callable[[str, str, str], None] | None = None, *,
+    def __init__(self, inputs: HealInputs, opts: HealOptions, say: Callable[[str], None],
+                 on_event: Callable[[str, str, str], None] | None = None, *,
                  ops: HostOps | None = None, http: Any = health, router: Callable[..., RouterAdmin] = RouterAdmin,
                  instances: Callable[..., AscendProxyAdmin] = AscendProxyAdmin,
                  front: Callable[..., FrontControl] = FrontControl, clock: Callable[[], float] = time.time):
+        inv, rendered = inputs.inventory, inputs.rendered
         if rendered.plan.mode != "pd" or rendered.proxy is None:
             raise InvalidInput(f"cluster {rendered.plan.cluster} runs topology {rendered.plan.topology} "
                                f"({rendered.plan.mode}): heal drains and re-adds slices through the P/D proxy",
                                hint="a colocated engine is restarted by its supervisor; see `kimictl status`")
-        ops = ops or HostOps(inv, rendered.plan.served_model_name, state.new_run_dir(rendered.plan.cluster, "heal"),
-                             say=say, on_event=on_event, accept_new_host_keys=opts.accept_new_host_keys,
-                             ready_timeout=opts.ready_timeout, http=http)
-        super().__init__(inv, rendered, rendered, ops, opts, say, http=http, router=router, instances=instances,
-                         front=front)
-        self.record, self.opts, self.clock = record, opts, clock
+        self.ops = ops or HostOps(inv, rendered.plan.served_model_name,
+                                  state.new_run_dir(rendered.plan.cluster, "heal"), say=say, on_event=on_event,
+                                  accept_new_host_keys=opts.accept_new_host_keys, ready_timeout=opts.ready_timeout,
+                                  http=http)
+        self.record, self.rendered, self.opts, self.say, self.http = inputs.record, rendered, opts, say, http
+        self.clock = clock
+        self.cluster, self.served_model_name = rendered.plan.cluster, rendered.plan.served_model_name
         self.procs: dict[str, Proc] = {p.id: p for p in desired_procs(rendered, inv)}
-        self.proxy_proc = self.procs.get("proxy")
+        self.observed: dict[str, HostObservation] = {}
         self.routers_error: str | None = None
+        self.steps = SliceSteps(inv, rendered, rendered, self.ops, opts, say, procs=self._procs, http=http,
+                                router=router, instances=instances, front=front)
+        self.steps.proxy_proc = self.procs.get("proxy")
 
     def _procs(self, s: Slice, release: str) -> list[Proc]:
         return [self.procs[e] for e in s.engines]
@@ -182,10 +215,10 @@ class Healer(SliceSteps):
         now = self.clock()
         found: list[Finding] = []
         candidates: list[Endpoint] = []
-        for s in self.slices.values():
+        for s in self.steps.slices.values():
             found += self._process_findings(s, now)
         sick = {f.engine for f in found}
-        ready_checks = [ep for s in self.slices.values() for ep in s.endpoints if ep.engine not in sick]
+        ready_checks = [ep for s in self.steps.slices.values() for ep in s.endpoints if ep.engine not in sick]
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(ready_checks)))) as pool:
             answers = list(pool.map(self._answers, ready_checks))
         for ep, got in zip(ready_checks, answers, strict=True):
@@ -204,7 +237,7 @@ class Healer(SliceSteps):
         return found
 
     def _slice_of(self, engine: str) -> Slice:
-        return next(s for s in self.slices.values() if engine in s.engines)
+        return next(s for s in self.steps.slices.values() if engine in s.engines)
 
     def _process_findings(self, s: Slice, now: float) -> list[Finding]:
         out = []
@@ -224,13 +257,13 @@ class Healer(SliceSteps):
 
     def _answers(self, ep: Endpoint) -> tuple[str, str] | None:
         """None when the engine is ready and answers a 1-token completion in time, else (kind, detail)."""
-        ready = self.http.engine_ready(ep.ip, ep.port, self.served_model_name, api_key=self.engine_key)
+        ready = self.http.engine_ready(ep.ip, ep.port, self.served_model_name, api_key=self.steps.engine_key)
         if not ready.ok:
             return "dead", f"{ep.url}: {ready.detail}"
         t0 = time.monotonic()
         code, body = self.http.http_post_json(f"{ep.url}/v1/completions", {
             "model": self.served_model_name, "prompt": "kimictl heal probe", "max_tokens": 1},
-            timeout=self.opts.hang_deadline, api_key=self.engine_key)
+            timeout=self.opts.hang_deadline, api_key=self.steps.engine_key)
         if code == 200:
             return None
         if code == 0:
@@ -252,7 +285,7 @@ class Healer(SliceSteps):
         with ThreadPoolExecutor(max_workers=min(8, len(pairs))) as pool:
             probes = list(pool.map(lambda pd: pair_probe(pd[0], pd[1], self.served_model_name,
                                                          timeout=self.opts.hang_deadline, http=self.http,
-                                                         api_key=self.engine_key), pairs))
+                                                         api_key=self.steps.engine_key), pairs))
         ok: dict[str, int] = {}
         bad: dict[str, list[str]] = {}
         for (p, d), r in zip(pairs, probes, strict=True):
@@ -286,13 +319,13 @@ class Healer(SliceSteps):
     def _membership_findings(self, eps: list[Endpoint], sick: set[str]) -> list[Finding]:
         """Healthy endpoints a router of the proxy does not list."""
         try:
-            self._connect_routers()
+            self.steps.connect_routers()
         except KimictlError as exc:
             self.routers_error = exc.message
             self.say(f"cannot read the proxy's routers: {exc.message}")
             return []
         out = []
-        for i, r in enumerate(self.routers):
+        for i, r in enumerate(self.steps.routers):
             try:
                 members = r.members()
             except RouterError as exc:
@@ -321,11 +354,11 @@ class Healer(SliceSteps):
                 if f.kind not in kinds[f.slice]:
                     kinds[f.slice].append(f.kind)
         actions = []
-        for name, s in self.slices.items():
+        for name, s in self.steps.slices.items():
             if name not in kinds:
                 continue
             restart = any(k in RESTART_KINDS for k in kinds[name])
-            sole = sum(1 for x in self.slices.values() if x.role == s.role) == 1
+            sole = sum(1 for x in self.steps.slices.values() if x.role == s.role) == 1
             steps = ((["drain"] if not sole else []) + ["restart", "pair-smoke"] + (["readd"] if not sole else [])
                      if restart else ["readd"])
             a = Action(name, s.role, list(s.hosts), list(s.engines), kinds[name], steps)
@@ -349,14 +382,14 @@ class Healer(SliceSteps):
         if self.routers_error and any(a.result == "planned" and ("drain" in a.steps or "readd" in a.steps)
                                       for a in actions):
             raise HostError(f"cannot drain or re-add through the proxy: {self.routers_error}", step="routers",
-                            host=self.new.proxy.host_name if self.new.proxy else None,
+                            host=self.rendered.proxy.host_name if self.rendered.proxy else None,
                             hint="see `kimictl status`: the proxy must answer before heal can act")
         pending = {a.slice for a in actions if a.result == "planned"}
         done: list[Slice] = []
         for a in actions:
             if a.result != "planned":
                 continue
-            s = self.slices[a.slice]
+            s = self.steps.slices[a.slice]
             why = [f"{f.kind} {f.engine}: {f.detail}" for f in findings if f.slice == a.slice]
             self.say(f"{a.slice}: {'; '.join(why)[:400]}")
             t0 = time.monotonic()
@@ -377,7 +410,7 @@ class Healer(SliceSteps):
                 f"{k.replace('_', ' ')} {v:.1f}s" for k, v in a.seconds.items() if k != "total") + ")")
         if not done:
             return None
-        gate = self._proxy_gate(done)
+        gate = self.steps.proxy_gate(done)
         self.say(f"proxy gate: {gate['requests']} request(s) through the proxy reached every healed endpoint")
         return gate
 
@@ -385,26 +418,26 @@ class Healer(SliceSteps):
         hung = any(k in ("dead", "hung", "failing") for k in a.reasons)
         t = time.monotonic()
         if "drain" in a.steps:
-            self._drain([s], timeout=self.opts.hung_drain if hung else None)
+            self.steps.drain([s], timeout=self.opts.hung_drain if hung else None)
             a.seconds["drain"] = round(time.monotonic() - t, 2)
         if "restart" in a.steps:
             t = time.monotonic()
-            procs = self._restart([s], "current")
+            procs = self.steps.restart([s], "current")
             self.ops.wait_ready(procs)
             a.seconds["restart_ready"] = round(time.monotonic() - t, 2)
             t = time.monotonic()
-            a.probes = self._pair_gate([s], pending | {s.name})
+            a.probes = self.steps.pair_gate([s], pending | {s.name})
             a.seconds["pair_smoke"] = round(time.monotonic() - t, 2)
         if "readd" in a.steps:
             t = time.monotonic()
-            self._readd([s])
+            self.steps.readd([s])
             a.seconds["readd"] = round(time.monotonic() - t, 2)
 
     def _event(self, a: Action, why: list[str]) -> None:
         state.append_heal_event(self.cluster, {
             "event": "action", "slice": a.slice, "reasons": a.reasons, "steps": a.steps, "result": a.result,
             "error": a.error, "findings": why, "seconds": a.seconds, "release": self.record.release,
-            "run_dir": str(self.run_dir)})
+            "run_dir": str(self.ops.run_dir)})
 
     # --- one round -----------------------------------------------------------------------------------
 
@@ -427,7 +460,7 @@ class Healer(SliceSteps):
             if not any(a.result == "planned" for a in res.actions):
                 res.result = "escalated" if res.escalations else "healthy"
                 return res
-            res.run_dir = str(self.run_dir)
+            res.run_dir = str(self.ops.run_dir)
             try:
                 res.proxy_gate = self.act(res.actions, res.findings)
             except KimictlError as exc:
@@ -440,16 +473,15 @@ class Healer(SliceSteps):
             self.ops.close()
 
 
-def prepare_heal(inventory: Path) -> tuple[Inventory, state.ReleaseRecord, Rendered, Any]:
+def prepare_heal(inventory: Path) -> HealInputs:
     """The inventory, the current release record, its render snapshot and its topology's `heal:` section."""
     from kimictl.inventory import load_inventory
-    from kimictl.rollout.run import deployed_release, recorded_topology
     from kimictl.topology import load_topology
 
     inv = load_inventory(inventory)
-    record, rendered = deployed_release(inv.cluster.name)
+    deployed = current_deployment(inv.cluster.name)
     try:
-        topo_heal = load_topology(recorded_topology(record, rendered)).heal
+        topo_heal = load_topology(deployed.topology()).heal
     except InvalidInput:
         topo_heal = None  # the topology file moved away: heal.yml's defaults (the render snapshot is enough)
-    return inv, record, rendered, topo_heal
+    return HealInputs(inv, deployed.record, deployed.rendered, topo_heal)

@@ -28,7 +28,7 @@ from kimictl.errors import HostError, guide, reported
 from kimictl.inventory import Inventory
 from kimictl.remote import reserve_ports
 from kimictl.remote.supervisor import NAME_RE as PROCESS_ID
-from kimictl.router_kinds import proxy_ready
+from kimictl.routers import proxy_ready
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from kimictl.facts import engine_profile
 from kimictl.inventory import Host, Inventory
 from kimictl.observe_up import monitoring_status
 from kimictl.render import PROXY_FRONT_STATE
-from kimictl.router_kinds import RouterError, membership_client, proxy_ready
+from kimictl.routers import RouterError, membership_client, proxy_ready
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import ReleaseRecord
 from kimictl.state import current as recorded_release

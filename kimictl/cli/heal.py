@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -13,15 +13,15 @@ from kimictl.cli import common
 from kimictl.cli.common import HostKeysOpt, InventoryOpt, Output, OutputOpt, ReadyTimeoutOpt
 
 if TYPE_CHECKING:
-    from kimictl.heal import HealResult
+    from kimictl.heal import HealGiven, HealResult
 
 
-def heal_round(inventory: Path, settings: dict[str, Any], say, on_event) -> HealResult:
+def heal_round(inventory: Path, given: HealGiven, say, on_event) -> HealResult:
     """One heal round on the release the cluster runs now (read again every round: a rollout may have moved it)."""
     from kimictl.heal import Healer, HealOptions, prepare_heal
 
-    inv, record, rendered, topo_heal = prepare_heal(inventory)
-    return Healer(inv, record, rendered, HealOptions.resolve(topo_heal, **settings), say, on_event).run()
+    inputs = prepare_heal(inventory)
+    return Healer(inputs, HealOptions.resolve(inputs.topology_heal, **given), say, on_event).run()
 
 
 def print_result(res: HealResult) -> None:
@@ -78,13 +78,13 @@ def heal(
     from kimictl.errors import EXIT_FAILED
     from kimictl.heal import heal_defaults
 
-    settings = {"dry_run": dry_run, "hang_deadline": hang_deadline, "max_actions": max_actions, "window": window,
-                "drain_timeout": drain_timeout, "ready_timeout": ready_timeout,
-                "accept_new_host_keys": accept_new_host_keys}
+    given: HealGiven = {"dry_run": dry_run, "hang_deadline": hang_deadline, "max_actions": max_actions,
+                        "window": window, "drain_timeout": drain_timeout, "ready_timeout": ready_timeout,
+                        "accept_new_host_keys": accept_new_host_keys}
     pause = interval or float(heal_defaults()["interval_s"])
     say, on_event = common.reporters("heal", events=("failed", "unreachable"))
     while True:
-        res = heal_round(Path(inventory), settings, say, on_event)
+        res = heal_round(Path(inventory), given, say, on_event)
         if output == Output.json:
             common.emit_json(res.to_json())
         else:

@@ -81,17 +81,17 @@ def up_cmd(
     from kimictl.pipeline import prepare
 
     if topology is None:
+        from kimictl.deployed import current_deployment
         from kimictl.errors import InvalidInput
         from kimictl.inventory import load_inventory
-        from kimictl.rollout.run import deployed_release, recorded_topology
 
         cluster = load_inventory(inventory).cluster.name
         try:
-            record, old = deployed_release(cluster)
+            deployed = current_deployment(cluster)
         except InvalidInput:
             raise InvalidInput(f"no deployed release of cluster {cluster} is recorded here to take the topology "
                                "from", hint="pass --topology T (the topology you deploy)") from None
-        topology = recorded_topology(record, old)
+        topology = deployed.topology()
     p = prepare(inventory, topology)
     r = render_observe(p.plan, p.inventory, p.topology, profile, prefix)
     if print_only:

@@ -45,17 +45,18 @@ def rollout(
     """Roll a change out slice by slice: canary first, each slice drained, restarted, gated, re-added."""
     from kimictl.rollout.run import Rollout, RolloutOptions, prepare_rollout
 
-    inv, record, old, new, topo, parsed = prepare_rollout(Path(inventory), topology, sets or [])
+    inputs = prepare_rollout(Path(inventory), topology, sets or [])
     opts = RolloutOptions(canary=canary, serial=serial, check=check, drain_timeout=drain_timeout,
                           drain_quiet=drain_quiet, ready_timeout=ready_timeout,
                           allow_proxy_restart=allow_proxy_restart, routers=router or [],
                           accept_new_host_keys=accept_new_host_keys)
 
     say, on_event = common.reporters("rollout", events=("failed", "unreachable"))
-    ro = Rollout(inv, record, old, new, topo, parsed, opts, say, on_event)
+    ro = Rollout(inputs, opts, say, on_event)
     if not check:
-        common.confirm_or_yes(f"Roll {', '.join(s.raw for s in parsed) or topo.name} out to {inv.cluster.name} "
-                       f"(release {record.release} -> {ro.release})?", yes)
+        common.confirm_or_yes(f"Roll {', '.join(s.raw for s in inputs.sets) or inputs.topology.name} out to "
+                              f"{inputs.inventory.cluster.name} (release {inputs.record.release} -> {ro.release})?",
+                              yes)
     result = ro.run()
     if output == Output.json:
         common.emit_json(result.to_json())

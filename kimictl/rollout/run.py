@@ -2,9 +2,10 @@
 restart them on the new release, gate them (readiness, pair smoke, traffic through the proxy), switch `current`
 and re-add them; on a failed gate roll the touched slices back in reverse order and leave `current` alone.
 
-`Rollout` is a `kimictl.rollout.steps.SliceSteps` (drain, restart, pair smoke, re-add, proxy gate; shared with
-`kimictl heal`) over the host operations (`kimictl.hostops.HostOps`), HTTP (`kimictl.health`) and the router
-clients (`RouterAdmin`); each is injectable, so the batch and rollback state machine is unit-tested with fakes."""
+`Rollout` takes its steps (drain, restart, pair smoke, re-add, proxy gate) from `kimictl.slices.steps.SliceSteps`,
+shared with `kimictl heal`, over the host operations (`kimictl.hostops.HostOps`), HTTP (`kimictl.health`) and the
+router clients (`kimictl.routers`); each is injectable, so the batch and rollback state machine is unit-tested with
+fakes."""
 
 from __future__ import annotations
 
@@ -15,15 +16,17 @@ from pathlib import Path
 from typing import Any
 
 from kimictl import health, state
+from kimictl.deployed import current_deployment
 from kimictl.errors import HostError, InvalidInput, KimictlError
 from kimictl.hostops import LIVE_STATES, ROLLBACK_READY_TIMEOUT_S, HostObservation, HostOps, Proc, desired_procs
 from kimictl.inventory import Inventory
 from kimictl.render import Rendered
+from kimictl.rollout.changes import Analysis, Batch, analyze, choose_order, plan_batches
 from kimictl.rollout.overrides import Setting, apply_sets, effective_topology_yaml, parse_sets
-from kimictl.rollout.router import AscendProxyAdmin, FrontControl, RouterAdmin
-from kimictl.rollout.slices import Analysis, Batch, Endpoint, Slice, analyze, choose_order, plan_batches
-from kimictl.rollout.steps import SliceSteps, StepOptions
-from kimictl.rundir import run_snapshot, run_topology, save_run
+from kimictl.routers import AscendProxyAdmin, FrontControl, RouterAdmin
+from kimictl.rundir import save_run
+from kimictl.slices.model import Endpoint, Slice
+from kimictl.slices.steps import SliceSteps, StepOptions
 from kimictl.topology import Topology
 
 ROLLOUT_SCHEMA_VERSION = 1
@@ -78,47 +81,43 @@ class RolloutResult:
                 "notes": self.notes, "run_dir": self.run_dir, "seconds": self.seconds, "error": self.error}
 
 
-def deployed_release(cluster: str) -> tuple[state.ReleaseRecord, Rendered]:
-    """The current release record and its render snapshot (what the cluster runs, per the control node)."""
-    rec = state.current(cluster)
-    if rec is None:
-        raise InvalidInput(f"no current release of cluster {cluster} is recorded "
-                           f"({state.control_dir(cluster) / state.CURRENT}); nothing to roll out from",
-                           hint="deploy first: kimictl deploy -i INV --topology T")
-    return rec, run_snapshot(rec, f"the current release of {cluster},")
+@dataclass(frozen=True)
+class RolloutInputs:
+    """What a rollout starts from, validated before any host is touched (`prepare_rollout`): the inventory, the
+    current release record and its render (`old`), the render of the change (`new`), the topology it was made from
+    and the --set values in it."""
+
+    inventory: Inventory
+    record: state.ReleaseRecord
+    old: Rendered
+    new: Rendered
+    topology: Topology
+    sets: list[Setting]
 
 
-def recorded_topology(rec: state.ReleaseRecord, old: Rendered) -> str:
-    """The topology the current release was made from: the effective file a rollout wrote, else the source."""
-    eff = run_topology(rec)
-    if eff is not None:
-        return str(eff)
-    src = old.plan.topology_source
-    if src and Path(src).exists():
-        return src
-    raise InvalidInput(f"the topology of the current release ({src or old.plan.topology}) is not readable here",
-                       hint="pass --topology")
-
-
-class Rollout(SliceSteps):
+class Rollout:
     """One rollout run over a deployed P/D cluster."""
 
-    def __init__(self, inv: Inventory, record: state.ReleaseRecord, old: Rendered, new: Rendered, topo: Topology,
-                 sets: list[Setting], opts: RolloutOptions, say: Callable[[str], None],
+    def __init__(self, inputs: RolloutInputs, opts: RolloutOptions, say: Callable[[str], None],
                  on_event: Callable[[str, str, str], None] | None = None, *, ops: HostOps | None = None,
                  http: Any = health, router: Callable[..., RouterAdmin] = RouterAdmin,
                  instances: Callable[..., AscendProxyAdmin] = AscendProxyAdmin,
                  front: Callable[..., FrontControl] = FrontControl):
+        inv, new = inputs.inventory, inputs.new
         self.release = state.release_id(new.releases)
-        ops = ops or HostOps(inv, new.plan.served_model_name,
-                             state.new_run_dir(new.plan.cluster, f"rollout-{self.release[:8]}"), say=say,
-                             on_event=on_event, accept_new_host_keys=opts.accept_new_host_keys,
-                             ready_timeout=opts.ready_timeout, http=http)
-        super().__init__(inv, old, new, ops, opts, say, http=http, router=router, instances=instances, front=front)
-        self.record, self.topo, self.sets = record, topo, sets
-        self.previous = record.release
+        self.ops = ops or HostOps(inv, new.plan.served_model_name,
+                                  state.new_run_dir(new.plan.cluster, f"rollout-{self.release[:8]}"), say=say,
+                                  on_event=on_event, accept_new_host_keys=opts.accept_new_host_keys,
+                                  ready_timeout=opts.ready_timeout, http=http)
+        self.inv, self.old, self.new, self.opts, self.say, self.http = inv, inputs.old, new, opts, say, http
+        self.cluster, self.served_model_name = new.plan.cluster, new.plan.served_model_name
+        self.record, self.topo, self.sets = inputs.record, inputs.topology, inputs.sets
+        self.previous = inputs.record.release
+        self.observed: dict[str, HostObservation] = {}
         self.reports: dict[str, SliceReport] = {}
         self.switched: set[str] = set()
+        self.steps = SliceSteps(inv, inputs.old, new, self.ops, opts, say, procs=self._procs, http=http,
+                                router=router, instances=instances, front=front)
 
     # --- planning (no changes) -------------------------------------------------------------------------
 
@@ -141,8 +140,8 @@ class Rollout(SliceSteps):
                                    "atomic switch of the router's membership, which vllm-router cannot do)",
                                    details=reasons,
                                    hint="apply it with `kimictl deploy` (all engines restart together)")
-            batches, notes = plan_batches(a.touched, self.slices, first, self.ro.canary, self.ro.serial)
-        if a.proxy_changed and not self.ro.allow_proxy_restart:
+            batches, notes = plan_batches(a.touched, self.steps.slices, first, self.opts.canary, self.opts.serial)
+        if a.proxy_changed and not self.opts.allow_proxy_restart:
             raise InvalidInput("the change alters the proxy's own command (policy or membership), so the router "
                                "must restart: clients get refused connections meanwhile",
                                hint="add --allow-proxy-restart to accept that, or leave the proxy settings alone")
@@ -159,14 +158,15 @@ class Rollout(SliceSteps):
             elif st.get("tag") != proc.tag:
                 drift.append(f"{proc.host}:{proc.id} (runs another release)")
             elif proc.id == "proxy":
-                self.proxy_proc = Proc(proc.host, "proxy", "proxy", str(st["tag"]), list(st["cmd"]), proc.ip,
-                                       proc.port, True, "proxy", proc.router)
+                self.steps.proxy_proc = Proc(proc.host, "proxy", "proxy", str(st["tag"]), list(st["cmd"]),
+                                             proc.ip, proc.port, True, "proxy", proc.router)
         if drift:
             raise HostError(f"the cluster does not run its recorded release {self.previous}: "
                             + ", ".join(drift[:6]), step="check",
                             hint="see `kimictl status`; converge with `kimictl deploy` or `kimictl start` first")
-        sick = [ep for s in self.slices.values() for ep in s.endpoints
-                if not self.http.engine_ready(ep.ip, ep.port, self.served_model_name, api_key=self.engine_key).ok]
+        key = self.steps.engine_key
+        sick = [ep for s in self.steps.slices.values() for ep in s.endpoints
+                if not self.http.engine_ready(ep.ip, ep.port, self.served_model_name, api_key=key).ok]
         if sick:
             ep = sick[0]
             raise HostError("the cluster is not healthy before the rollout: " + ", ".join(x.engine for x in sick)
@@ -174,12 +174,12 @@ class Rollout(SliceSteps):
                             log_tail=self.ops.log_tail(ep.host, ep.engine),
                             hint="fix it first (kimictl status)")
         assert self.new.proxy is not None and self.old.proxy is not None
-        self._connect_routers()
+        self.steps.connect_routers()
 
     def _membership(self) -> dict[str, str]:
         return {r.url: "instances" if r.membership == "instances" else "runtime" if r.supports_runtime_add()
-                else "reload" if i < self.own_routers and self.front else "restart"
-                for i, r in enumerate(self.routers)}
+                else "reload" if i < self.steps.own_routers and self.steps.front else "restart"
+                for i, r in enumerate(self.steps.routers)}
 
     # --- the run ---------------------------------------------------------------------------------------
 
@@ -187,15 +187,15 @@ class Rollout(SliceSteps):
         t_all = time.monotonic()
         a, first, batches, notes = self._prepare()
         self._observe_and_check()
-        if a.touched and not self.runtime and self.front:
+        if a.touched and not self.steps.runtime and self.steps.front:
             notes.append("the proxy's routers (vllm-router, static P/D mode) drop workers at runtime but cannot add "
                          "them back: each batch ends with a restart of the router copies one at a time behind the "
                          "proxy port (clients are not refused)")
-        elif a.touched and not self.runtime:
-            notes.append(f"the proxy {self.routers[0].url} runs vllm-router in static P/D mode: it drops workers at "
-                         "runtime but cannot add them back, so each batch ends with a graceful restart of the proxy "
-                         "(in-flight requests finish; new connections are refused for a moment)")
-            if not self.ro.allow_proxy_restart and not self.ro.check:
+        elif a.touched and not self.steps.runtime:
+            notes.append(f"the proxy {self.steps.routers[0].url} runs vllm-router in static P/D mode: it drops "
+                         "workers at runtime but cannot add them back, so each batch ends with a graceful restart of "
+                         "the proxy (in-flight requests finish; new connections are refused for a moment)")
+            if not self.opts.allow_proxy_restart and not self.opts.check:
                 raise InvalidInput("the deployed proxy cannot re-add a slice without restarting; a restart refuses "
                                    "client connections for a moment", details=notes[-1:],
                                    hint="add --allow-proxy-restart to accept that, or run the proxy with runtime "
@@ -208,24 +208,23 @@ class Rollout(SliceSteps):
                                None)
         for n in notes:
             self.say(f"note: {n}")
-        if self.ro.check:
+        if self.opts.check:
             return result
         if not a.touched and not a.changed_hosts:
             self.say(f"no changes: every slice already runs release {self.previous}")
             result.result = "no-changes"
             return result
-        result.run_dir = str(self.run_dir)
-        save_run(self.run_dir, self.new, self.new, effective_topology_yaml(self.topo))
+        result.run_dir = str(self.ops.run_dir)
+        save_run(self.ops.run_dir, self.new, self.new, effective_topology_yaml(self.topo))
         try:
             self._install(sorted(a.changed_hosts))
             for i, b in enumerate(batches):
                 self.say(f"batch {i + 1}/{len(batches)}{' (canary)' if b.canary else ''}: {', '.join(b.names)}")
                 self._roll_batch(b)
             if a.proxy_changed:
-                self._restart_proxy(next(p for p in desired_procs(self.new, self.inv) if p.id == "proxy"),
+                self.steps.restart_proxy(next(p for p in desired_procs(self.new, self.inv) if p.id == "proxy"),
                                     "proxy change")
-                own = self._own_routers(self.new)
-                self.routers[:self.own_routers], self.own_routers = own, len(own)
+                self.steps.reconnect_own_routers()
             rest = sorted(set(a.changed_hosts) - self.switched)
             if rest:
                 self.ops.switch({h: self.new.releases[h] for h in rest})
@@ -238,17 +237,17 @@ class Rollout(SliceSteps):
             result.error = failure.message
             self._rollback_all(failure)
             result.result = "rolled-back"
-            result.seconds = {**self.timings, "total": round(time.monotonic() - t_all, 2)}
-            result.proxy_restarts = self.proxy_restarts
-            self._record("rolled-back" if self.touched_done else "failed", result)
+            result.seconds = {**self.ops.timings, "total": round(time.monotonic() - t_all, 2)}
+            result.proxy_restarts = self.steps.proxy_restarts
+            self._record("rolled-back" if self.steps.touched_done else "failed", result)
             if isinstance(exc, KeyboardInterrupt):
                 raise
             raise self._failure(failure) from None
         finally:
             self.ops.close()
         result.result = "rolled-out"
-        result.proxy_restarts = self.proxy_restarts
-        result.seconds = {**self.timings, "total": round(time.monotonic() - t_all, 2)}
+        result.proxy_restarts = self.steps.proxy_restarts
+        result.seconds = {**self.ops.timings, "total": round(time.monotonic() - t_all, 2)}
         self._record("deployed", result)
         return result
 
@@ -276,23 +275,23 @@ class Rollout(SliceSteps):
     def _roll_batch(self, b: Batch) -> None:
         names = set(b.names)
         t0 = time.monotonic()
-        drained = self._drain(b.slices)
+        drained = self.steps.drain(b.slices)
         t1 = time.monotonic()
         for s in b.slices:
             self.reports[s.name].drain_timed_out = [e for e in drained["timed_out"] if e in s.engines]
             self.reports[s.name].result = "failed"
-            self.stage[s.name] = "restarted"
-        procs = self._restart(b.slices, "new")
+            self.steps.stage[s.name] = "restarted"
+        procs = self.steps.restart(b.slices, "new")
         self.ops.wait_ready(procs)
         t2 = time.monotonic()
-        probes = self._pair_gate(b.slices, names)
+        probes = self.steps.pair_gate(b.slices, names)
         t3 = time.monotonic()
         self.ops.switch({h: self.new.releases[h] for s in b.slices for h in s.hosts})
         self.switched |= {h for s in b.slices for h in s.hosts}
         t4 = time.monotonic()
-        self._readd(b.slices)
+        self.steps.readd(b.slices)
         t5 = time.monotonic()
-        gate = self._proxy_gate(b.slices)
+        gate = self.steps.proxy_gate(b.slices)
         t6 = time.monotonic()
         secs = {"drain": t1 - t0, "restart_ready": t2 - t1, "pair_smoke": t3 - t2, "switch_current": t4 - t3,
                 "readd": t5 - t4, "proxy_smoke": t6 - t5, "total": t6 - t0}
@@ -308,7 +307,7 @@ class Rollout(SliceSteps):
     # --- failure: back to the last good release ---------------------------------------------------------
 
     def _rollback_all(self, exc: KimictlError) -> None:
-        touched = list(dict.fromkeys(self.touched_done))
+        touched = list(dict.fromkeys(self.steps.touched_done))
         self.say(f"gate failed ({exc.message.splitlines()[0][:200]}); rolling back "
                  f"{', '.join(s.name for s in touched) or 'nothing (no slice was changed)'}")
         self.ops.ready_timeout = ROLLBACK_READY_TIMEOUT_S
@@ -327,15 +326,15 @@ class Rollout(SliceSteps):
                 self.say(f"could not point current back on {', '.join(back)}: {again.message}")
 
     def _rollback_slice(self, s: Slice) -> None:
-        if self.stage.get(s.name) == "restarted":
-            if any(ep.url in r.members() for r in self.routers for ep in s.endpoints):
-                self._drain([s])
-            procs = self._restart([s], "old")
+        if self.steps.stage.get(s.name) == "restarted":
+            if any(ep.url in r.members() for r in self.steps.routers for ep in s.endpoints):
+                self.steps.drain([s])
+            procs = self.steps.restart([s], "old")
             self.ops.wait_ready(procs)
-            self._pair_gate([s], {s.name})
-        if not all(ep.url in r.members() for r in self.routers for ep in s.endpoints):
-            self._readd([s])
-        self.stage.pop(s.name, None)
+            self.steps.pair_gate([s], {s.name})
+        if not all(ep.url in r.members() for r in self.steps.routers for ep in s.endpoints):
+            self.steps.readd([s])
+        self.steps.stage.pop(s.name, None)
         self.say(f"{s.name}: back on release {self.previous}")
 
     def _failure(self, exc: KimictlError) -> HostError:
@@ -351,8 +350,8 @@ class Rollout(SliceSteps):
 
     def _check_membership(self) -> None:
         """Every endpoint of the plan is back in every router (a missed re-add would silently lose capacity)."""
-        want = {ep.url: ep for s in self.slices.values() for ep in s.endpoints}
-        for r in self.routers:
+        want = {ep.url: ep for s in self.steps.slices.values() for ep in s.endpoints}
+        for r in self.steps.routers:
             missing = sorted(set(want) - set(r.members()))
             if missing:
                 ep = want[missing[0]]
@@ -361,11 +360,11 @@ class Rollout(SliceSteps):
 
     def _final_smoke(self) -> dict[str, Any]:
         assert self.new.proxy is not None
-        eps = [ep for s in self.slices.values() for ep in s.endpoints]
+        eps = [ep for s in self.steps.slices.values() for ep in s.endpoints]
         before = {ep.engine: self.http.metric_totals(ep.ip, ep.port) for ep in eps}
         code, body = self.http.http_post_json(f"http://{self.new.proxy.host}:{self.new.proxy.port}/v1/completions",
                                               {"model": self.served_model_name, "prompt": health.smoke_prompt(),
-                                               "max_tokens": 8}, timeout=60, api_key=self.api_key)
+                                               "max_tokens": 8}, timeout=60, api_key=self.ops.api_key)
         after = {ep.engine: self.http.metric_totals(ep.ip, ep.port) for ep in eps}
 
         def moved(role: str, metric: str) -> float:
@@ -384,15 +383,14 @@ class Rollout(SliceSteps):
         state.record_release(self.cluster, state.ReleaseRecord.now(
             release=self.release if ok else self.previous, cluster=self.cluster, topology=self.new.plan.topology,
             hosts=self.new.releases if ok else self.old.releases, result=result,
-            run_dir=str(self.run_dir) if ok else self.record.run_dir, kind="rollout",
-            attempted_release=self.release, previous_release=self.previous, rollout_run_dir=str(self.run_dir),
+            run_dir=str(self.ops.run_dir) if ok else self.record.run_dir, kind="rollout",
+            attempted_release=self.release, previous_release=self.previous, rollout_run_dir=str(self.ops.run_dir),
             sets=[s.raw for s in self.sets], error=res.error,
             changes=[{"slice": r.name, "hosts": r.hosts, "engines": r.engines, "result": r.result}
                      for r in self.reports.values()]))
 
 
-def prepare_rollout(inventory: Path, topology: str | None, set_items: list[str]) -> tuple[
-        Inventory, state.ReleaseRecord, Rendered, Rendered, Topology, list[Setting]]:
+def prepare_rollout(inventory: Path, topology: str | None, set_items: list[str]) -> RolloutInputs:
     """Validate everything exactly like deploy (plan + render of the new inputs) before any host is touched."""
     from kimictl.inventory import load_inventory
     from kimictl.pipeline import prepare
@@ -402,11 +400,11 @@ def prepare_rollout(inventory: Path, topology: str | None, set_items: list[str])
     if topology:
         p = prepare(inventory, topology)
         sets = parse_sets(set_items, p.topology)  # bad --set: exit 2 before the recorded state is read
-        record, old = deployed_release(p.inventory.cluster.name)
+        deployed = current_deployment(p.inventory.cluster.name)
     else:
-        record, old = deployed_release(load_inventory(inventory).cluster.name)
-        p = prepare(inventory, recorded_topology(record, old))
+        deployed = current_deployment(load_inventory(inventory).cluster.name)
+        p = prepare(inventory, deployed.topology())
         sets = parse_sets(set_items, p.topology)
     topo, inv = apply_sets(p.topology, p.inventory, sets)
     plan = make_plan(inv, topo) if sets else p.plan
-    return inv, record, old, render(plan, inv, topo), topo, sets
+    return RolloutInputs(inv, deployed.record, deployed.rendered, render(plan, inv, topo), topo, sets)

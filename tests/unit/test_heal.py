@@ -5,6 +5,8 @@ test_orchestration (they record what was asked and keep the supervisor's view of
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ from typer.testing import CliRunner
 from kimictl import heal, health, state
 from kimictl.cli.main import app
 from kimictl.errors import HostError, InvalidInput, StateError
-from kimictl.heal import Healer, HealOptions
+from kimictl.heal import Healer, HealInputs, HealOptions, prepare_heal
 from kimictl.hostops import desired_procs
 from kimictl.plan import make_plan
 from kimictl.render import render
@@ -101,7 +103,7 @@ def _cluster(tmp_path: Path, hosts: int = 4, opts: HealOptions | None = None, cl
 
     def make(o: HealOptions | None = None) -> Healer:
         o = o or opts or HealOptions.resolve(drain_quiet=0.0, drain_timeout=5.0)
-        return Healer(inv, rec, rendered, o, lambda m: None, ops=ops, http=http, instances=instances,
+        return Healer(HealInputs(inv, rec, rendered), o, lambda m: None, ops=ops, http=http, instances=instances,
                       front=lambda url, api_key=None, http=None: front, clock=lambda: clock)
 
     make.http, make.copies = http, copies
@@ -240,15 +242,15 @@ def test_unplaceable_pair_failures_escalate(tmp_path: Path) -> None:
 def test_an_endpoint_a_router_dropped_is_readded_without_a_restart(tmp_path: Path) -> None:
     make, ops, rendered, _log = _cluster(tmp_path)
     h = make()
-    h._connect_routers()
+    h.steps.connect_routers()
     d1 = _engines(rendered, "decode-1")
     url = sorted(_urls(d1))[0]
-    make.copies[h.routers[1].url]._members.pop(url)
+    make.copies[h.steps.routers[1].url]._members.pop(url)
     res = make().run()
     assert [(f.kind, f.slice) for f in res.findings] == [("missing", "decode-1")]
     assert "router 1" in res.findings[0].detail
     assert res.actions[0].steps == ["readd"] and res.result == "healed"
-    assert not ops.actions() and url in make.copies[h.routers[1].url].members()
+    assert not ops.actions() and url in make.copies[h.steps.routers[1].url].members()
 
 
 def test_a_single_instance_role_is_restarted_in_place(tmp_path: Path) -> None:
@@ -319,13 +321,33 @@ def test_options_come_from_heal_yml_then_the_topology_then_the_command_line() ->
     assert (c.hang_deadline, c.max_actions) == (2.5, 3)
 
 
+def test_a_round_starts_from_the_current_release_and_its_topologys_heal_section(tmp_path: Path) -> None:
+    from kimictl.rollout.overrides import effective_topology_yaml
+
+    _make, _ops, rendered, _ = _cluster(tmp_path)
+    got = prepare_heal(tmp_path / "inv.yml")
+    assert got.record.release == state.release_id(rendered.releases) and got.rendered == rendered
+    assert got.topology_heal == load_topology("a3-pd").heal
+    # a rollout's effective topology in the release's run directory comes first
+    topo = load_topology("a3-pd").model_copy(update={"heal": TopologyHeal(max_actions=5)})
+    (Path(got.record.run_dir) / "topology.yml").write_text(effective_topology_yaml(topo))
+    assert prepare_heal(tmp_path / "inv.yml").topology_heal == TopologyHeal(max_actions=5)
+
+
+def test_heal_stands_beside_the_rollout_and_imports_none_of_it() -> None:
+    code = "import sys, kimictl.heal; print(*(m for m in sys.modules if m.startswith('kimictl.rollout')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.strip() == ""
+
+
 def test_heal_needs_a_pd_cluster(tmp_path: Path) -> None:
     inv = _inventory(tmp_path, 1)
     topo = load_topology("a3-colocated")
     rendered = render(make_plan(inv, topo), inv, topo)
     rec = state.ReleaseRecord.now(release="r", cluster=CLUSTER, hosts=rendered.releases, result="deployed")
     with pytest.raises(InvalidInput, match="colocated"):
-        Healer(inv, rec, rendered, HealOptions(), lambda m: None, ops=FakeOps(inv, tmp_path, {}, {}))
+        Healer(HealInputs(inv, rec, rendered), HealOptions(), lambda m: None, ops=FakeOps(inv, tmp_path, {}, {}))
 
 
 def test_the_event_log_is_jsonl_and_a_damaged_line_is_named(state_dir: Path) -> None:
@@ -354,7 +376,7 @@ def _cli(monkeypatch, make, *args: str):
 
 def test_cli_exit_codes_and_json(tmp_path: Path, monkeypatch) -> None:
     make, ops, rendered, _ = _cluster(tmp_path)
-    make()._connect_routers()  # the copies exist before the CLI's Healer asks for them
+    make().steps.connect_routers()  # the copies exist before the CLI's Healer asks for them
     inv = str(tmp_path / "inv.yml")
     ok = _cli(monkeypatch, make, "-i", inv, "--once", "--output", "json")
     assert ok.exit_code == 0, ok.output

@@ -19,7 +19,7 @@ from kimictl.inventory import Inventory, load_inventory
 from kimictl.plan import make_plan
 from kimictl.render import Rendered, render
 from kimictl.rollout.overrides import apply_sets, parse_sets
-from kimictl.rollout.run import Rollout, RolloutOptions
+from kimictl.rollout.run import Rollout, RolloutInputs, RolloutOptions
 from kimictl.topology import load_topology
 
 CLUSTER = "orch-unit"
@@ -336,8 +336,9 @@ def _rollout_setup(tmp_path: Path, broken_engines: set[str], new_tags_only: bool
     def instances(url: str, api_key: str | None = None, http: Any = None) -> FakeInstances:
         return FakeInstances(url, {u: e.role for u, e in eps.items()}, log, front)
 
-    ro = Rollout(inv, rec, old, new, t2, sets, RolloutOptions(canary=1, serial=1, drain_quiet=0.0, drain_timeout=5),
-                 lambda m: None, ops=ops, http=FakeHttp(broken), router=router, instances=instances,
+    ro = Rollout(RolloutInputs(inv, rec, old, new, t2, sets),
+                 RolloutOptions(canary=1, serial=1, drain_quiet=0.0, drain_timeout=5), lambda m: None, ops=ops,
+                 http=FakeHttp(broken), router=router, instances=instances,
                  front=lambda url, api_key=None, http=None: front)
     ro.router_log = log
     return ro, ops, old, new
@@ -394,7 +395,7 @@ def test_a_failed_second_batch_rolls_back_every_touched_slice_in_reverse_order(t
     assert {c["slice"]: c["result"] for c in rec.changes} == {"decode-0": "rolled-back", "decode-1": "rolled-back"}
     # every endpoint is back in the routers
     urls = {f"http://{e.host_ip}:{e.port}" for e in new.engines if e.serves_http}
-    assert all(set(r.members()) == urls for r in ro.routers)
+    assert all(set(r.members()) == urls for r in ro.steps.routers)
 
 
 def test_the_upstream_proxy_takes_drained_engines_back_one_held_copy_at_a_time(tmp_path: Path) -> None:
@@ -413,4 +414,4 @@ def test_the_upstream_proxy_takes_drained_engines_back_one_held_copy_at_a_time(t
     assert {op for op, _ in copy0[n:2 * n]} == {"add"} and {u for _, u in copy0[n:2 * n]} == d0  # then re-added
     assert [r["kind"] for r in res.proxy_restarts] == ["held"] * 4
     urls = {f"http://{e.host_ip}:{e.port}" for e in new.engines if e.serves_http}
-    assert all(set(r.members()) == urls for r in ro.routers)
+    assert all(set(r.members()) == urls for r in ro.steps.routers)

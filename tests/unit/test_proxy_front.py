@@ -342,7 +342,7 @@ def test_router_admin_api_is_closed_to_client_keys(front: Front) -> None:
         code, doc = front.request("GET", f"/kimictl/router/{i}/workers", key=ADMIN)
         assert code == 200 and [w["url"] for w in doc["workers"]] == workers
     # kimictl's own drain (rollout's RouterAdmin) goes through the admin channel.
-    from kimictl.rollout.router import RouterAdmin, RouterError
+    from kimictl.routers import RouterAdmin, RouterError
 
     admin = RouterAdmin(f"http://127.0.0.1:{front.port}/kimictl/router/1", api_key=ADMIN)
     admin.remove("http://10.0.0.2:7100")

@@ -19,21 +19,13 @@ from kimictl.errors import EXIT_INVALID, InvalidInput, InventoryError, TopologyE
 from kimictl.inventory import load_inventory
 from kimictl.plan import make_plan
 from kimictl.render import render
-from kimictl.rollout import slices
+from kimictl.rollout import changes
+from kimictl.rollout.changes import Batch, analyze, choose_order, pair_problems, pd_side, plan_batches
 from kimictl.rollout.overrides import apply_sets, effective_topology_yaml, parse_set, parse_sets
-from kimictl.rollout.router import RouterAdmin, RouterError, wait_drained
 from kimictl.rollout.run import prepare_rollout
-from kimictl.rollout.slices import (
-    Batch,
-    Endpoint,
-    Slice,
-    analyze,
-    choose_order,
-    pair_problems,
-    pd_side,
-    plan_batches,
-    slices_of,
-)
+from kimictl.routers import RouterAdmin, RouterError
+from kimictl.slices.model import Endpoint, Slice, slices_of
+from kimictl.slices.probes import wait_drained
 from kimictl.state import release_id
 from kimictl.topology import load_topology
 
@@ -222,7 +214,7 @@ def test_prefill_goes_first_when_only_that_order_is_compatible(base, monkeypatch
     old, new = _changed(base, "serve.seed=7")
     touched = analyze(old, new).touched
     # Pretend new decode cannot pull from old prefill, while new prefill serves old decode fine.
-    monkeypatch.setattr(slices, "pair_problems",
+    monkeypatch.setattr(changes, "pair_problems",
                         lambda p, d: ["old P -> new D"] if (p.release, d.release) == ("old", "new") else [])
     assert choose_order(old, new, touched) == ("prefill", [])
     batches, _ = plan_batches(touched, slices_of(new), "prefill", canary=1, serial=1)
@@ -391,7 +383,7 @@ def test_drain_timeout_names_the_busy_endpoints_and_a_dead_one_counts_as_drained
 
 def test_release_id_is_the_one_deploy_and_rollout_record(base, tmp_path: Path, monkeypatch) -> None:
     from kimictl.deploy import Deployer, DeployOptions
-    from kimictl.rollout.run import Rollout, RolloutOptions
+    from kimictl.rollout.run import Rollout, RolloutInputs, RolloutOptions
     from kimictl.state import ReleaseRecord
 
     monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "state"))
@@ -399,7 +391,7 @@ def test_release_id_is_the_one_deploy_and_rollout_record(base, tmp_path: Path, m
     rid = release_id(r.releases)
     assert len(rid) == 16 and rid != release_id({**r.releases, "atlas-01": "other"})
     assert Deployer(inv, r.plan, r, DeployOptions(), print).release == rid
-    ro = Rollout(inv, ReleaseRecord(release="old"), r, r, topo, [], RolloutOptions(), print)
+    ro = Rollout(RolloutInputs(inv, ReleaseRecord(release="old"), r, r, topo, []), RolloutOptions(), print)
     assert ro.release == rid and ro.previous == "old"
 
 
@@ -421,16 +413,17 @@ def _record_deploy(tmp_path: Path, inv_path: Path, monkeypatch) -> str:
 def test_prepare_rollout_uses_the_recorded_topology_and_applies_sets(tmp_path: Path, monkeypatch) -> None:
     inv_path = _inventory(tmp_path)
     rel = _record_deploy(tmp_path, inv_path, monkeypatch)
-    _, record, old, new, topo, sets = prepare_rollout(inv_path, None, ["decode.serve.max-num-seqs=16"])
-    assert record.release == rel and release_id(old.releases) == rel
-    assert topo.roles["decode"].serve["max-num-seqs"] == 16 and [s.raw for s in sets] == [
+    got = prepare_rollout(inv_path, None, ["decode.serve.max-num-seqs=16"])
+    record, new, topo = got.record, got.new, got.topology
+    assert record.release == rel and release_id(got.old.releases) == rel
+    assert topo.roles["decode"].serve["max-num-seqs"] == 16 and [s.raw for s in got.sets] == [
         "decode.serve.max-num-seqs=16"]
     dec = next(e for e in new.engines if e.id == "decode-0-dp0")
     assert dec.argv[dec.argv.index("--max-num-seqs") + 1] == "16"
     assert release_id(new.releases) != rel
     # a rollout's effective topology (run_dir/topology.yml) becomes the default for the next one
     (Path(record.run_dir) / "topology.yml").write_text(effective_topology_yaml(topo))
-    _, _, _, again, _, _ = prepare_rollout(inv_path, None, [])
+    again = prepare_rollout(inv_path, None, []).new
     assert release_id(again.releases) == release_id(new.releases)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import json
 import shlex
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -197,3 +199,11 @@ def test_the_engines_key_is_kimictls_own_in_pd_and_the_clients_colocated(tmp_pat
     assert pd_key and pd_key != "sk-client-key-71c2" and engine_key_file(inv, pd=True, create=True) == made
     assert engine_api_key(inv, pd=False) == "sk-client-key-71c2"
     assert engine_api_key(load_inventory(_inv(tmp_path)), pd=True) is None
+
+
+def test_router_kinds_are_static_facts_without_an_http_client() -> None:
+    """plan, render and preflight read the kinds; the HTTP clients of their APIs are kimictl.routers, above them."""
+    code = "import sys, kimictl.router_kinds; print(*(m for m in sys.modules if m.startswith('kimictl.')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    loaded = set(out.split())
+    assert "kimictl.router_kinds" in loaded and not loaded & {"kimictl.health", "kimictl.routers"}, loaded

@@ -1,6 +1,6 @@
-"""The routers and the engines over HTTP: the routers' membership clients (kimictl.router_kinds, one per router
-kind), the drain wait, and the pair probe (one P/D hand-over between two given endpoints, the way the P/D proxies
-do it).
+"""The engines of a slice over HTTP: the drain wait (until a drained slice holds and serves nothing), and the pair
+probe (one P/D hand-over between two given endpoints, the way the P/D proxies do it). The routers' clients are
+kimictl.routers.
 
 HTTP goes through `http` (default `kimictl.health`); tests pass fakes."""
 
@@ -13,11 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kimictl import health
-from kimictl.rollout.slices import Endpoint
-from kimictl.router_kinds import STATIC_PD_ROUTER_MARK, AscendProxyAdmin, FrontControl, RouterAdmin, RouterError
-
-__all__ = ["STATIC_PD_ROUTER_MARK", "AscendProxyAdmin", "FrontControl", "RouterAdmin", "RouterError", "drain_sampler",
-           "pair_probe", "wait_drained"]
+from kimictl.slices.model import Endpoint
 
 # --- drain and probes -------------------------------------------------------------------------------------
 

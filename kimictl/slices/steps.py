@@ -4,7 +4,8 @@ partners, re-add it (at runtime, by holding one router copy at a time behind kim
 proxy's routers) and gate it with traffic through the proxy.
 
 `SliceSteps` holds what they need (host operations, HTTP, the routers' clients); each is injectable, so the state
-machines built on it are unit-tested with fakes. A subclass says which processes a slice runs (`_procs`)."""
+machines that use it (`kimictl.rollout.run.Rollout`, `kimictl.heal.Healer`) are unit-tested with fakes. Its user
+says which processes a slice runs on a release (`procs`)."""
 
 from __future__ import annotations
 
@@ -18,20 +19,16 @@ from kimictl import health
 from kimictl.cluster_secrets import engine_api_key, proxy_admin_key
 from kimictl.errors import HostError, InvalidInput
 from kimictl.facts import engine_profile
-from kimictl.hostops import HostObservation, HostOps, Proc
+from kimictl.hostops import HostOps, Proc
 from kimictl.inventory import Inventory
 from kimictl.render import Rendered
-from kimictl.rollout.router import (
-    AscendProxyAdmin,
-    FrontControl,
-    RouterAdmin,
-    RouterError,
-    drain_sampler,
-    pair_probe,
-    wait_drained,
-)
-from kimictl.rollout.slices import Endpoint, Slice, slices_of
 from kimictl.router_kinds import router_kind
+from kimictl.routers import AscendProxyAdmin, FrontControl, RouterAdmin, RouterError
+from kimictl.slices.model import Endpoint, Slice, slices_of
+from kimictl.slices.probes import drain_sampler, pair_probe, wait_drained
+
+# The processes a slice runs on a release: "new" or "old" (a rollout), "current" (a heal).
+Procs = Callable[[Slice, str], list[Proc]]
 
 
 @dataclass
@@ -46,16 +43,17 @@ class StepOptions:
 class SliceSteps:
     """Drain, restart, pair-smoke, re-add and proxy-gate slices of a deployed P/D cluster. `old` is the render the
     running proxy was deployed from (its routers and front), `new` the one the slices run after their restart (the
-    same render for a heal)."""
+    same render for a heal); `procs` says which processes a slice runs on a release."""
 
     def __init__(self, inv: Inventory, old: Rendered, new: Rendered, ops: HostOps, opts: StepOptions,
-                 say: Callable[[str], None], *, http: Any = health, router: Callable[..., RouterAdmin] = RouterAdmin,
+                 say: Callable[[str], None], *, procs: Procs, http: Any = health,
+                 router: Callable[..., RouterAdmin] = RouterAdmin,
                  instances: Callable[..., AscendProxyAdmin] = AscendProxyAdmin,
                  front: Callable[..., FrontControl] = FrontControl):
         self.inv, self.cluster, self.say = inv, new.plan.cluster, say
         self.served_model_name = new.plan.served_model_name
-        self.old, self.new, self.ops, self.ro = old, new, ops, opts
-        self.run_dir, self.api_key, self.timings = self.ops.run_dir, self.ops.api_key, self.ops.timings
+        self.old, self.new, self.ops, self.opts, self.procs = old, new, ops, opts, procs
+        self.api_key = self.ops.api_key
         self.http, self.make_router, self.make_instances, self.make_front = http, router, instances, front
         self.engine_key = engine_api_key(inv, pd=True)  # what the engines require (None: no key)
         self.front_ctl: FrontControl | None = None  # the front's hold/release, for a router that re-adds only idle
@@ -66,20 +64,16 @@ class SliceSteps:
         self.routers: list[RouterAdmin] = []
         self.own_routers = 0  # the first ones in self.routers: the copies behind kimictl's proxy front
         self.runtime = True
-        self.proxy_proc: Proc | None = None
-        self.observed: dict[str, HostObservation] = {}
+        self.proxy_proc: Proc | None = None  # the running proxy (its user finds it)
         self.touched_done: list[Slice] = []  # slices this run drained (the rollback set), in order
         self.stage: dict[str, str] = {}  # slice -> drained | restarted
 
-    def _procs(self, s: Slice, release: str) -> list[Proc]:
-        raise NotImplementedError
-
-    def _connect_routers(self) -> None:
+    def connect_routers(self) -> None:
         """The routers of kimictl's proxy (and --router extras), and whether all of them add workers at runtime."""
-        self.routers = self._own_routers(self.old)
+        self.routers = self.own_routers_of(self.old)
         self.own_routers = len(self.routers)
         own = [r.url for r in self.routers]
-        self.routers += [self.make_router(u, http=self.http) for u in dict.fromkeys(self.ro.routers) if u not in own]
+        self.routers += [self.make_router(u, http=self.http) for u in dict.fromkeys(self.opts.routers) if u not in own]
         for i, r in enumerate(self.routers):
             try:
                 runtime = r.supports_runtime_add()
@@ -91,7 +85,7 @@ class SliceSteps:
                                    hint="run extra routers with --enable-igw, or leave them out of --router")
             self.runtime = self.runtime and runtime
 
-    def _own_routers(self, rendered: Rendered) -> list[RouterAdmin]:
+    def own_routers_of(self, rendered: Rendered) -> list[RouterAdmin]:
         """The proxy kimictl deployed: behind its front each router copy has its own membership, reached through
         the front with the admin key (a release made before the admin key: with the client key)."""
         assert rendered.proxy is not None and rendered.plan.proxy is not None
@@ -103,11 +97,15 @@ class SliceSteps:
             return [self.make_instances(u, api_key=key, http=self.http) for u in own]
         return [self.make_router(u, api_key=key, http=self.http) for u in own]
 
+    def reconnect_own_routers(self) -> None:
+        """After a restart of the proxy on the new render: its routers replace the old ones (extras stay)."""
+        own = self.own_routers_of(self.new)
+        self.routers[:self.own_routers], self.own_routers = own, len(own)
 
-    def _drain(self, slices: list[Slice], timeout: float | None = None) -> dict[str, Any]:
+    def drain(self, slices: list[Slice], timeout: float | None = None) -> dict[str, Any]:
         """Out of every router, then wait for in-flight requests (`timeout`: at most this long instead of the
         options' drain timeout, e.g. for a hung slice that cannot finish them)."""
-        timeout = self.ro.drain_timeout if timeout is None else timeout
+        timeout = self.opts.drain_timeout if timeout is None else timeout
         self.touched_done += [s for s in slices if s not in self.touched_done]
         eps = [ep for s in slices for ep in s.endpoints]
         for attempt in range(3):
@@ -120,7 +118,8 @@ class SliceSteps:
                 self.stage[s.name] = "drained"
             self.say(f"drained {', '.join(s.name for s in slices)} from {len(self.routers)} router(s); waiting for "
                      "in-flight requests")
-            got = wait_drained(eps, timeout=timeout, quiet=min(self.ro.drain_quiet, timeout), sample=self.drain_sample)
+            got = wait_drained(eps, timeout=timeout, quiet=min(self.opts.drain_quiet, timeout),
+                               sample=self.drain_sample)
             # A router restarted meanwhile (by its supervisor) comes back with every worker: drain again.
             back = [ep.engine for r in self.routers for ep in eps if ep.url in r.members()]
             if not back:
@@ -132,12 +131,12 @@ class SliceSteps:
         raise HostError(f"cannot keep {', '.join(s.name for s in slices)} out of the routers", step="drain",
                         host=slices[0].hosts[0])
 
-    def _restart(self, slices: list[Slice], release: str) -> list[Proc]:
+    def restart(self, slices: list[Slice], release: str) -> list[Proc]:
         stops: dict[str, list[str]] = {}
         starts: dict[str, list[dict[str, Any]]] = {}
         procs: list[Proc] = []
         for s in slices:
-            for p in self._procs(s, release):
+            for p in self.procs(s, release):
                 stops.setdefault(p.host, []).append(p.id)
                 starts.setdefault(p.host, []).append(p.start_action())
                 procs.append(p)
@@ -148,7 +147,7 @@ class SliceSteps:
         other = "decode" if role == "prefill" else "prefill"
         return [ep for s in self.slices.values() if s.role == other and s.name not in exclude for ep in s.endpoints]
 
-    def _pair_gate(self, slices: list[Slice], exclude: set[str]) -> list[dict[str, Any]]:
+    def pair_gate(self, slices: list[Slice], exclude: set[str]) -> list[dict[str, Any]]:
         results = []
         for s in slices:
             partners = self._live_partners(s.role, exclude)
@@ -172,7 +171,7 @@ class SliceSteps:
                                     log_tail=self.ops.log_tail(ep.host, ep.engine))
         return results
 
-    def _readd(self, slices: list[Slice]) -> None:
+    def readd(self, slices: list[Slice]) -> None:
         """Back into every router: at runtime where the router can add workers, else by restarting the proxy
         kimictl deployed (its rendered membership lists every endpoint)."""
         eps = [ep for s in slices for ep in s.endpoints]
@@ -189,7 +188,7 @@ class SliceSteps:
         if self.front:
             self._reload_proxy(why)
         else:
-            self._restart_proxy(self.proxy_proc, why)
+            self.restart_proxy(self.proxy_proc, why)
         for r in self.routers[:self.own_routers]:
             missing = [ep.url for ep in eps if ep.url not in r.members()]
             if missing:
@@ -203,9 +202,9 @@ class SliceSteps:
         assert self.front_ctl is not None and self.old.plan.proxy is not None
         kind = router_kind(self.old.plan.proxy.router)
         t0 = time.monotonic()
-        self.front_ctl.hold(index, seconds=self.ro.drain_timeout + 120)
+        self.front_ctl.hold(index, seconds=self.opts.drain_timeout + 120)
         try:
-            r.readd([(ep.url, ep.role) for ep in eps], timeout=self.ro.drain_timeout,
+            r.readd([(ep.url, ep.role) for ep in eps], timeout=self.opts.drain_timeout,
                     check_interval=kind.check_interval)
         finally:
             self.front_ctl.release(index)
@@ -224,14 +223,14 @@ class SliceSteps:
         self.ops.reload_proxy(self.proxy_proc.host)
         self.proxy_restarts.append({"why": why, "seconds": round(time.monotonic() - t0, 2), "kind": "routers"})
 
-    def _restart_proxy(self, proc: Proc, why: str) -> None:
+    def restart_proxy(self, proc: Proc, why: str) -> None:
         t0 = time.monotonic()
         self.ops.apply_actions({proc.host: ["proxy"]}, {proc.host: [proc.start_action()]}, f"proxy restart ({why})")
         self.ops.wait_ready([proc])
         self.proxy_proc = proc
         self.proxy_restarts.append({"why": why, "seconds": round(time.monotonic() - t0, 2), "kind": "proxy"})
 
-    def _proxy_gate(self, slices: list[Slice], attempts_per_endpoint: int = 8, timeout: float = 120.0,
+    def proxy_gate(self, slices: list[Slice], attempts_per_endpoint: int = 8, timeout: float = 120.0,
                     ) -> dict[str, Any]:
         """Requests through the deployed proxy until every endpoint of the batch served its side of a P/D hand-over
         (counters moved) and the other side's counters moved too; every request must succeed. They go in waves of

@@ -1,5 +1,5 @@
-"""Slices (one DP group each: the unit that restarts together), what a change touches, whether old and new
-engines can pair during a rolling change, which role goes first, and the batches.
+"""What a change does to the slices of a deployed P/D cluster (kimictl.slices.model): which slices it touches,
+whether old and new engines can pair during a rolling change, which role goes first, and the batches.
 
 Pure: renders in, plans out; no hosts."""
 
@@ -13,47 +13,13 @@ from kimictl.errors import InvalidInput
 from kimictl.hostops import process_tag
 from kimictl.render import Rendered
 from kimictl.rollout.overrides import ROLES
+from kimictl.slices.model import Slice, slices_of
 
 # Flags whose values shape the KV cache a prefill engine hands to a decode engine: both sides must agree.
 KV_SHAPE_FLAGS = ("block-size", "kv-cache-dtype", "quantization")
 
 
-# --- slices and what changes --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    engine: str
-    host: str
-    ip: str
-    port: int
-    role: str
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.ip}:{self.port}"
-
-
-@dataclass(frozen=True)
-class Slice:
-    """One DP group (instance): the unit that restarts together (its ranks share a DP master and a kv_port)."""
-
-    name: str
-    role: str
-    hosts: tuple[str, ...]
-    engines: tuple[str, ...]
-    endpoints: tuple[Endpoint, ...]
-
-
-def slices_of(rendered: Rendered) -> dict[str, Slice]:
-    """Every instance of the plan as a slice, in plan order."""
-    out: dict[str, Slice] = {}
-    for inst in rendered.plan.instances:
-        engines = [e for e in rendered.engines if e.instance == inst.name]
-        out[inst.name] = Slice(inst.name, inst.role, tuple(inst.hosts), tuple(e.id for e in engines),
-                               tuple(Endpoint(e.id, e.host, e.host_ip, e.port, e.role)
-                                     for e in engines if e.serves_http))
-    return out
+# --- what changes ------------------------------------------------------------------------------------------
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""What a cluster runs, as the control node recorded it: the current release, the render it was deployed from and
+the topology it was made from. `kimictl rollout` changes it, `kimictl heal` heals it, `kimictl observe up` watches
+it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kimictl import state
+from kimictl.errors import InvalidInput
+from kimictl.render import Rendered
+from kimictl.rundir import run_snapshot, run_topology
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """The current release record and its render snapshot."""
+
+    record: state.ReleaseRecord
+    rendered: Rendered
+
+    def topology(self) -> str:
+        """The topology the current release was made from: the effective file a rollout wrote, else the source."""
+        eff = run_topology(self.record)
+        if eff is not None:
+            return str(eff)
+        src = self.rendered.plan.topology_source
+        if src and Path(src).exists():
+            return src
+        raise InvalidInput(f"the topology of the current release ({src or self.rendered.plan.topology}) is not "
+                           "readable here", hint="pass --topology")
+
+
+def current_deployment(cluster: str) -> Deployment:
+    """What the cluster runs, per the control node (InvalidInput when no release of it is recorded)."""
+    rec = state.current(cluster)
+    if rec is None:
+        raise InvalidInput(f"no current release of cluster {cluster} is recorded "
+                           f"({state.control_dir(cluster) / state.CURRENT}); nothing to roll out from",
+                           hint="deploy first: kimictl deploy -i INV --topology T")
+    return Deployment(rec, run_snapshot(rec, f"the current release of {cluster},"))
