@@ -38,12 +38,16 @@ def test_known_bug():
 MODULE_SKIP = 'import pytest\npytest.skip("no module prerequisite", allow_module_level=True)\n'
 
 
-@pytest.mark.parametrize("value", [None, "0", ""])
-def test_without_the_flag_a_missing_prerequisite_skips(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+def _flag(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
     if value is None:
         monkeypatch.delenv(REQUIRE_ALL, raising=False)
     else:
         monkeypatch.setenv(REQUIRE_ALL, value)
+
+
+@pytest.mark.parametrize("value", [None, "0", ""])
+def test_without_the_flag_a_missing_prerequisite_skips(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
+    _flag(monkeypatch, value)
     with pytest.raises(pytest.skip.Exception, match=r"^no frobnicator here$"):
         require_or_skip("no frobnicator here")
 
@@ -58,10 +62,7 @@ def test_under_the_flag_a_missing_prerequisite_fails(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("value", [None, "1"])
 def test_not_applicable_skips_with_or_without_the_flag(monkeypatch: pytest.MonkeyPatch, value: str | None) -> None:
-    if value is None:
-        monkeypatch.delenv(REQUIRE_ALL, raising=False)
-    else:
-        monkeypatch.setenv(REQUIRE_ALL, value)
+    _flag(monkeypatch, value)
     with pytest.raises(pytest.skip.Exception, match=f"^{NOT_APPLICABLE}an Ascend machine$"):
         not_applicable("an Ascend machine")
 
