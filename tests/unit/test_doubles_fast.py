@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from prerequisites import require_or_skip
 
 from kimictl.sandbox import layout
 from kimictl.sandbox.cluster import _install_hccn_tool
@@ -269,7 +270,7 @@ def test_front_is_valid_bash_and_real_ping_works(tmp_path, bins, monkeypatch, ca
     probe = subprocess.run(["ping", "-n", "-c", "1", "-W", "1", "-I", "127.0.0.1", "127.0.0.1"],
                            capture_output=True, check=False)
     if probe.returncode != 0:
-        pytest.skip("no usable ping to 127.0.0.1 here")
+        require_or_skip("no usable ping to 127.0.0.1 here")
     sim = tmp_path / "sim"
     sim.mkdir()
     host = layout.host_json(layout.plan_hosts(1, "atlas-800-a3", "loopback", 0, tmp_path)[0], "atlas-800-a3")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prerequisites import require_or_skip
 from prometheus_client.parser import text_string_to_metric_families
 
 import kimictl.sandbox.engine_sim as es
@@ -782,9 +783,10 @@ ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path(ROUTER).exists(), reason="vllm-router not installed (pip install vllm-router)")
 def _router(simhost, prefill: Sim, decode: Sim) -> str:
     """vllm-router in P/D mode in front of one simulated prefill and decode engine; its URL once it answers."""
+    if not Path(ROUTER).exists():
+        require_or_skip("vllm-router not installed (pip install vllm-router)")
     port = free_port()
     log = simhost.root / "router.log"
     with log.open("wb") as out:

@@ -13,6 +13,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from prerequisites import require_or_skip
 
 from kimictl import HOST_PYTHON_FLOOR
 from kimictl.sandbox.system import floor_python
@@ -31,7 +32,7 @@ def host_files() -> list[Path]:
 def floor() -> str:
     py = floor_python()
     if py is None:
-        pytest.skip(f"no Python {'.'.join(map(str, HOST_PYTHON_FLOOR))} on this machine (python3.X on PATH, "
+        require_or_skip(f"no Python {'.'.join(map(str, HOST_PYTHON_FLOOR))} on this machine (python3.X on PATH, "
                     "pyenv under $PYENV_ROOT or /root/.pyenv)")
     return py
 

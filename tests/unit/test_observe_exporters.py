@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from prerequisites import require_or_skip
 from prometheus_client.parser import text_string_to_metric_families
 from test_doubles import make_sim
 
@@ -106,8 +107,9 @@ def procs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not Path(ROUTER).exists(), reason="vllm-router not installed (pip install vllm-router)")
 def test_proxy_exporter_reports_real_router_membership_and_relays_its_metrics(procs):
+    if not Path(ROUTER).exists():
+        require_or_skip("vllm-router not installed (pip install vllm-router)")
     engines = [Stub() for _ in range(3)]  # 1 prefill, 2 decode endpoints
     router = (free_port(), free_port())
     front = Stub()  # the front's GET /health

@@ -12,15 +12,20 @@ from typing import Any
 
 import pytest
 import yaml
+from prerequisites import require_or_skip
 
 from kimictl import observe
 from kimictl.pipeline import prepare
 
 PROMTOOL = shutil.which("promtool")
-pytestmark = pytest.mark.skipif(PROMTOOL is None, reason="promtool missing (Debian package prometheus; "
-                                                        "scripts/bootstrap.sh installs it)")
 REPO = Path(__file__).resolve().parents[2]
 LABEL_TEMPLATE = re.compile(r"\{\{ \$labels\.([a-z_]+) \}\}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_promtool() -> None:
+    if PROMTOOL is None:
+        require_or_skip("promtool missing (Debian package prometheus; scripts/bootstrap.sh installs it)")
 
 
 def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:

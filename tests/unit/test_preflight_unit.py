@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prerequisites import not_applicable
 
 from kimictl.inventory import load_inventory
 from kimictl.plan import make_plan
@@ -123,7 +124,7 @@ SMI_BUSY = "npu-smi stand-in\n| NPU Chip | Process id | Process name |\n| 0     
 
 def _probe_run(tmp_path: Path, smi: str = SMI_IDLE, **over) -> dict[str, tuple[str, int]]:
     if any(shutil.which(t, path=TOOL_DIRS) for t in ("npu-smi", "hccn_tool")):
-        pytest.skip("real Ascend tools on this machine would shadow the stand-ins")
+        not_applicable("real Ascend tools on this machine would shadow the stand-ins")
     bins = tmp_path / "bin"
     bins.mkdir(parents=True)
     (bins / "hccn_tool").write_text(STUB_HCCN)

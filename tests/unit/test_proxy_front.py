@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from prerequisites import require_or_skip
+
+from kimictl.sandbox.system import floor_python
 
 FRONT = Path(__file__).parents[2] / "kimictl" / "remote" / "proxy_front.py"
 FAKE_ROUTER = Path(__file__).parent / "data" / "fake_router.py"
@@ -22,7 +25,6 @@ KEY = "k-7f3a9c1e"
 # Hosts run the front with their own python3: KIMICTL_HOST_PYTHON=/path/python3.9 checks another one (scripts/test.sh).
 FRONT_PY = os.environ.get("KIMICTL_HOST_PYTHON") or sys.executable
 ADMIN = "adm-51c0ffee"
-PY39 = Path("/root/.pyenv/versions/3.9.18/bin/python3")
 
 
 def free_ports(n: int) -> list[int]:
@@ -489,9 +491,11 @@ def test_rate_limited_log_counts_what_it_leaves_out(capsys: pytest.CaptureFixtur
     assert lines[-2] == f"proxy-front: ({1000 - mod.LOG_BURST} more 'client 408' line(s) left out in 10s)"
 
 
-@pytest.mark.skipif(not PY39.exists(), reason=f"no Python 3.9 at {PY39} (hosts' python3 on openEuler 22.03)")
 def test_front_on_python_3_9_reloads_and_stops_its_routers(tmp_path: Path) -> None:
-    f = Front(tmp_path, python=str(PY39))
+    py39 = floor_python()
+    if py39 is None:
+        require_or_skip("no Python 3.9 (hosts' python3 on openEuler 22.03) on this machine: see floor_python")
+    f = Front(tmp_path, python=py39)
     try:
         before = [r["pid"] for r in f.doc()["routers"]]
         code, doc = f.reload(timeout=30)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prerequisites import require_or_skip
 
 from kimictl import remote
 from kimictl.sandbox.system import floor_python
@@ -54,7 +55,7 @@ def test_the_host_files_are_found() -> None:
 def bare39() -> dict:
     py = _python39()
     if py is None:
-        pytest.skip("no Python 3.9 on this machine (see floor_python): cannot check the host floor here")
+        require_or_skip("no Python 3.9 on this machine (see floor_python): cannot check the host floor here")
     out = subprocess.run([py, "-I", "-S", "-c", _PROBE, *(str(REMOTE / n) for n in HOST_FILES)], capture_output=True,
                          text=True, timeout=120, check=False, cwd="/",
                          env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prerequisites import require_or_skip
 
 from kimictl.remote import reserve_ports as rp
 
@@ -85,7 +86,7 @@ def test_a_reserved_port_is_never_a_source_port(tmp_path: Path) -> None:
     """The kernel behaviour the script relies on, in a network namespace of its own when this machine allows one:
     with every ephemeral port but one reserved, connections (to three listeners) all leave from that one."""
     if os.geteuid() != 0 or subprocess.run(["unshare", "-n", "true"], capture_output=True, check=False).returncode != 0:
-        pytest.skip("needs root and network namespaces")
+        require_or_skip("needs root and network namespaces")
     code = (
         "import socket, subprocess, sys, json\n"
         "subprocess.run(['ip', 'link', 'set', 'lo', 'up'], check=True)\n"

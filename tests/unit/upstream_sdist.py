@@ -12,8 +12,8 @@ import re
 from functools import cache
 from pathlib import Path
 
-import pytest
 import yaml
+from prerequisites import require_or_skip
 
 from kimictl import upstream
 
@@ -29,7 +29,7 @@ def sdist(release: str) -> Path:
     try:
         return upstream.source_tree(release)
     except upstream.UpstreamUnavailable as exc:
-        pytest.skip(f"vllm-ascend {release} sdist: {exc.message}")
+        require_or_skip(f"vllm-ascend {release} sdist: {exc.message}")
 
 
 def recipe_paths() -> list[Path]:
