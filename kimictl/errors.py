@@ -8,6 +8,14 @@ EXIT_INVALID = 2
 EXIT_DEGRADED = 3
 
 
+def did_you_mean(word: str, options, cutoff: float = 0.6) -> str:
+    """" (did you mean 'x'?)" for the option closest to a mistyped word, or "" when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=cutoff)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
 def guide(anchor: str) -> str:
     """The operator's guide's row for what a message reports (its troubleshooting table): a hint's pointer."""
     return f"docs/operators.md#{anchor}"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import ipaddress
 import re
 import shlex
@@ -12,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from kimictl.errors import InvalidInput, InventoryError
+from kimictl.errors import InvalidInput, InventoryError, did_you_mean
 from kimictl.facts import hardware_catalogue, system_dirs
 from kimictl.secret_file import read_secret_file
 from kimictl.yamlsrc import LineMap, load_yaml, yaml_type_hint
@@ -111,7 +110,7 @@ def _ipv4(why: str):
 def _hardware(v: str) -> str:
     known = hardware_catalogue()
     if v not in known:
-        raise ValueError(f"'{v}' is not a known hardware; expected one of {', '.join(known)}{_dym(v, known)}")
+        raise ValueError(f"'{v}' is not a known hardware; expected one of {', '.join(known)}{did_you_mean(v, known)}")
     return v
 
 
@@ -147,11 +146,6 @@ Command = Annotated[str, AfterValidator(_command)]
 ImageRepo = Annotated[str, AfterValidator(_matches(
     _IMAGE_REPO, "image repository ([registry[:port]/]path, lower case, no :tag - the version profile names it)"))]
 DeviceIp = Annotated[str, AfterValidator(_ipv4("NPU device IPs are IPv4 (hccn_tool -ip)"))]
-
-
-def _dym(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 # --- the key table: every kimi_* key, where it may be set ----------------------------------------------
@@ -304,7 +298,7 @@ class Inventory(BaseModel):
         if unknown:
             raise InventoryError(
                 f"--limit names hosts not in {self.path}: {', '.join(unknown)}"
-                + "".join(_dym(n, known) for n in unknown[:1])
+                + "".join(did_you_mean(n, known) for n in unknown[:1])
             )
         return self.model_copy(update={"hosts": [h for h in self.hosts if h.name in names]})
 
@@ -359,7 +353,7 @@ class _Collector:
         for key in group:
             if key not in ("hosts", "vars", "children"):
                 self.err(group.line_of(key), f"group '{name}': unknown section '{key}' (expected hosts, vars, children)"
-                         + _dym(key, ("hosts", "vars", "children")))
+                         + did_you_mean(key, ("hosts", "vars", "children")))
         self._group_vars(name, g, self._section(name, group, "vars", "a mapping"))
         hosts = self._section(name, group, "hosts", "a mapping of host names")
         for host, hvars in hosts.items():
@@ -461,7 +455,7 @@ def _check_key_names(c: _Collector, values: dict[str, Any], origins: dict[str, _
         o = origins[key]
         spec = KEYS.get(key)
         if spec is None:
-            c.err(o.line, f"{o.where}: unknown key '{key}'{_dym(key, KEYS)}")
+            c.err(o.line, f"{o.where}: unknown key '{key}'{did_you_mean(key, KEYS)}")
         elif spec.scope == "cluster" and not at_all:
             c.err(o.line, f"{o.where}: '{key}' is cluster-wide; set it under all.vars")
 
@@ -615,4 +609,5 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
     for key in ("kimi_proxy_host", "kimi_monitor_host"):
         value = getattr(cluster, key)
         if value and value not in names:
-            c.err(c.all_origin[key].line, f"all.vars: {key} '{value}' is not an inventory host" + _dym(value, names))
+            c.err(c.all_origin[key].line,
+                  f"all.vars: {key} '{value}' is not an inventory host{did_you_mean(value, names)}")

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import difflib
 import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from kimictl.errors import PlanError
+from kimictl.errors import PlanError, did_you_mean
 from kimictl.facts import (
     EP_PARTS,
     GIB,
@@ -451,8 +450,7 @@ def _check_additional_config(role: str, extra: dict[str, Any], ver: VersionProfi
         if not unknown and isinstance(value, dict) and nested.get(key) is not None:
             unknown = [f"{key}.{k}" for k in value if k not in nested[key]]  # type: ignore[operator]
         for name in unknown:
-            close = difflib.get_close_matches(name.rsplit(".", 1)[-1], known or [], n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            hint = did_you_mean(name.rsplit(".", 1)[-1], known or [])
             if ver.strict_additional_config:
                 raise PlanError(f"role {role}: additional-config key {name} is not read by vllm-ascend {ver.version}"
                                 f"{hint}; this version refuses unknown keys at start-up")

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kimictl.errors import TopologyError
+from kimictl.errors import TopologyError, did_you_mean
 from kimictl.facts import DATA_DIR, hardware_catalogue, switch_rules
 from kimictl.inventory import ModelId
 from kimictl.yamlsrc import LineMap, load_yaml, yaml_type_hint
@@ -118,9 +117,7 @@ class Role(_Strict):
         known = switch_rules()
         for name in v:
             if name not in known:
-                close = difflib.get_close_matches(name, list(known), n=1)
-                raise ValueError(f"unknown switch '{name}'" + (f" (did you mean '{close[0]}'?)" if close else "")
-                                 + f"; known: {', '.join(known)}")
+                raise ValueError(f"unknown switch '{name}'{did_you_mean(name, known)}; known: {', '.join(known)}")
         return v
 
 
@@ -251,10 +248,9 @@ def load_topology(name_or_path: str) -> Topology:
     elif candidate.suffix in (".yml", ".yaml") or "/" in name_or_path:
         path = candidate
     else:
-        close = difflib.get_close_matches(name_or_path, preset_names(), n=1)
         raise TopologyError(
-            f"unknown topology '{name_or_path}'" + (f" (did you mean '{close[0]}'?)" if close else "")
-            + f"; presets: {', '.join(preset_names())}; or give a path to a topology YAML"
+            f"unknown topology '{name_or_path}'{did_you_mean(name_or_path, preset_names())}"
+            f"; presets: {', '.join(preset_names())}; or give a path to a topology YAML"
         )
     doc = load_yaml(path, "topology")
     if not isinstance(doc, dict):

@@ -4,11 +4,10 @@ Pure: no hosts, no state. A bad key is an exit-2 error naming it, with a did-you
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Any
 
-from kimictl.errors import InvalidInput, InventoryError, TopologyError
+from kimictl.errors import InvalidInput, InventoryError, TopologyError, did_you_mean
 from kimictl.inventory import KEYS, ClusterSettings, Inventory
 from kimictl.topology import Ports, Proxy, Role, Speculative, Topology
 
@@ -35,11 +34,6 @@ _TOPO_MODELS: dict[str, type] = {"ports": Ports, "proxy": Proxy, "speculative": 
 _ROLE_FIELDS = [f for f in Role.model_fields]
 _TOPO_FIELDS = [f for f in Topology.model_fields if f != "source"]
 _NOT_SETTABLE_INVENTORY = {"kimi_cluster": "renaming the cluster is not a change of the running deployment"}
-
-
-def _dym(word: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
-    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _bad(item: str, why: str) -> InvalidInput:
@@ -74,7 +68,7 @@ def parse_set(item: str, topo: Topology) -> Setting:
     if key.startswith("kimi_"):
         spec = KEYS.get(key)
         if spec is None:
-            raise _bad(item, f"unknown inventory key '{key}'{_dym(key, list(KEYS))}")
+            raise _bad(item, f"unknown inventory key '{key}'{did_you_mean(key, list(KEYS))}")
         if spec.scope != "cluster":
             raise _bad(item, f"'{key}' is a per-host inventory key; --set changes cluster-wide (all.vars) keys only")
         if key in _NOT_SETTABLE_INVENTORY:
@@ -87,7 +81,7 @@ def parse_set(item: str, topo: Topology) -> Setting:
         parts = ["roles", *parts]
     head = parts[0]
     if head not in _TOPO_FIELDS:
-        raise _bad(item, f"unknown topology key '{head}'{_dym(head, [*_TOPO_FIELDS, *ROLES])}; "
+        raise _bad(item, f"unknown topology key '{head}'{did_you_mean(head, [*_TOPO_FIELDS, *ROLES])}; "
                          f"top-level keys: {', '.join(_TOPO_FIELDS)}, or a role ({', '.join(topo.roles)})")
     if head == "source":
         raise _bad(item, "'source' is not a topology setting")
@@ -97,11 +91,11 @@ def parse_set(item: str, topo: Topology) -> Setting:
             raise _bad(item, f"'{key}' names a whole role; set one of its keys ({', '.join(_ROLE_FIELDS)})")
         role = parts[1]
         if role not in topo.roles:
-            raise _bad(item, f"topology {topo.name} has no role '{role}'{_dym(role, list(topo.roles))}; "
+            raise _bad(item, f"topology {topo.name} has no role '{role}'{did_you_mean(role, list(topo.roles))}; "
                              f"roles: {', '.join(topo.roles)}")
         fld = parts[2]
         if fld not in _ROLE_FIELDS:
-            raise _bad(item, f"unknown key '{fld}' of role {role}{_dym(fld, _ROLE_FIELDS)}; "
+            raise _bad(item, f"unknown key '{fld}' of role {role}{did_you_mean(fld, _ROLE_FIELDS)}; "
                              f"role keys: {', '.join(_ROLE_FIELDS)}")
         _check_depth(item, parts[2:], fld in _TOPO_MAPS)
         as_string = fld == "env"
@@ -114,7 +108,8 @@ def parse_set(item: str, topo: Topology) -> Setting:
         if len(parts) == 1:
             raise _bad(item, f"'{head}' is a section; set one of its keys ({', '.join(names)})")
         if parts[1] not in names:
-            raise _bad(item, f"unknown key '{parts[1]}' of {head}{_dym(parts[1], names)}; keys: {', '.join(names)}")
+            raise _bad(item, f"unknown key '{parts[1]}' of {head}{did_you_mean(parts[1], names)}; "
+                             f"keys: {', '.join(names)}")
         nested_map = head == "speculative" and parts[1] == "num_speculative_tokens"
         _check_depth(item, parts[1:], nested_map)
     else:
@@ -130,9 +125,9 @@ def _check_serve_flag(item: str, flag: str, topo: Topology) -> None:
     if flag.startswith("-"):
         raise _bad(item, f"serve flag '{flag}': write it without leading dashes")
     if flag not in known:
-        close = difflib.get_close_matches(flag, sorted(known), n=1, cutoff=0.85)
-        if close:
-            raise _bad(item, f"serve flag '{flag}' is not set by topology {topo.name} (did you mean '{close[0]}'?)")
+        hint = did_you_mean(flag, sorted(known), cutoff=0.85)
+        if hint:
+            raise _bad(item, f"serve flag '{flag}' is not set by topology {topo.name}{hint}")
 
 
 def _check_depth(item: str, tail: list[str], is_map: bool) -> None:
