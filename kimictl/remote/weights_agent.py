@@ -140,6 +140,7 @@ import shlex  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
+import stat  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
@@ -166,7 +167,7 @@ def try_lock(path: Path, holder: dict, mode: int = 0o644) -> tuple[int | None, d
 
     The kernel drops the lock when its holder dies, so it cannot go stale; the record only names the holder.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, mode)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, mode)   # a planted symlink is refused (ELOOP)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -180,6 +181,19 @@ def try_lock(path: Path, holder: dict, mode: int = 0o644) -> tuple[int | None, d
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
     return fd, record
+
+
+def untrusted_dir(d: Path) -> str:
+    """Why the agent (root) must not write in d, or "": d must be a directory owned by the agent's own user (root on
+    the hosts) that neither group nor others may write, or anyone who can write there plants symlinks for it."""
+    st = d.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not {os.geteuid()} (chown it)"
+    if st.st_mode & 0o022:
+        return f"writable by group or others (mode {st.st_mode & 0o777:o}; chmod go-w it)"
+    return ""
 
 
 def new_hash(algo: str, size: int):
@@ -203,8 +217,12 @@ def expected(entry: dict) -> tuple[str, str]:
 
 
 def _atomic_write(path: Path, text: str) -> None:
+    """Write path whole or not at all. The temp file is made afresh (O_EXCL, O_NOFOLLOW): whatever someone put
+    under its name (a symlink to /etc/shadow) is removed, never written through."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -247,6 +265,10 @@ class Agent:
 
     def _lock(self, holder: dict) -> bool:
         self.dir.mkdir(parents=True, exist_ok=True)
+        why = untrusted_dir(self.dir)
+        if why:
+            self.emit(ev="error", message=f"refusing model dir {str(self.dir)!r}: {why}")
+            return False
         fd, who = try_lock(self.dir / LOCK, holder)
         if fd is None:
             self.emit(ev="locked", holder=who)
@@ -561,6 +583,7 @@ class _Follow:
     def __init__(self, dest: Path, size: int, algo: str):
         self.dest, self.size, self.algo = dest, size, algo
         self.ended = threading.Event()
+        self.opened = threading.Event()   # rsync's temp file was found and is being read
         self.digest: str | None = None
         self.ino: int | None = None
         self.since = time.time()
@@ -589,6 +612,7 @@ class _Follow:
             if self.ended.wait(0.05):
                 return
             f, ino = self._temp()
+        self.opened.set()
         h, got = new_hash(self.algo, self.size), 0
         buf = bytearray(BLOCK)
         view = memoryview(buf)

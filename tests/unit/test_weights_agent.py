@@ -488,8 +488,9 @@ def test_forced_command_serves_before_the_agents_imports_and_keeps_escaped_names
     assert len((tmp_path / "refused.log").read_text().splitlines()) == 5
 
 
-def _write_like_rsync(dest: Path, data: bytes, chunks: int = 8, rename: bool = True) -> Path:
-    """What rsync's receiver does: a temp file next to dest, written front to back, renamed at the end."""
+def _write_like_rsync(dest: Path, data: bytes, chunks: int = 8, rename: bool = True, follow=None) -> Path:
+    """What rsync's receiver does: a temp file next to dest, written front to back, renamed at the end. With
+    `follow`, the rest waits until the follower found the temp file (on a busy machine its thread may start late)."""
     import time
 
     tmp = dest.parent / f".{dest.name}.Ab12Cd"
@@ -498,6 +499,8 @@ def _write_like_rsync(dest: Path, data: bytes, chunks: int = 8, rename: bool = T
         for i in range(0, len(data), step):
             f.write(data[i:i + step])
             f.flush()
+            if follow is not None:
+                assert follow.opened.wait(30), "the follower never found rsync's temp file"
             time.sleep(0.01)
     if rename:
         os.replace(tmp, dest)
@@ -512,7 +515,7 @@ def test_a_peer_file_is_hashed_while_it_arrives_and_not_read_again(tmp_path, mon
     dest = tmp_path / "d" / "shard.safetensors"
     dest.parent.mkdir()
     follow = agent_mod._Follow(dest, len(data), "sha256")
-    writer = threading.Thread(target=_write_like_rsync, args=(dest, data))
+    writer = threading.Thread(target=_write_like_rsync, args=(dest, data), kwargs={"follow": follow})
     writer.start()
     writer.join()
     follow.stop()
@@ -556,3 +559,36 @@ def test_a_pull_clears_the_temp_files_a_killed_agent_left(tmp_path, manifest):
     assert stale.exists()
     Talk(tmp_path / "m").hello(manifest, pull=True, holder={})
     assert not stale.exists()
+
+
+def test_agent_refuses_a_model_dir_others_may_write(tmp_path, manifest):
+    """The agent runs as root: a model dir that group or others may write (or that another user owns) lets them
+    plant symlinks it would follow, so a pull refuses it before writing anything."""
+    d = tmp_path / "models"
+    d.mkdir()
+    d.chmod(0o777)
+    t = Talk(d)
+    ev = t.hello(manifest, pull=True)
+    assert ev["ev"] == "error" and "writable by group or others (mode 777" in ev["message"], ev
+    assert not (d / agent_mod.LOCK).exists()
+    d.chmod(0o755)
+    assert agent_mod.untrusted_dir(d) == ""
+    if os.geteuid() == 0:   # another owner: only root can make one
+        os.chown(d, 12345, -1)
+        assert "owned by uid 12345" in agent_mod.untrusted_dir(d)
+
+
+def test_agent_follows_no_symlink_planted_in_the_model_dir(tmp_path):
+    d = tmp_path / "models"
+    d.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    (d / agent_mod.LOCK).symlink_to(victim)
+    with pytest.raises(OSError):
+        agent_mod.try_lock(d / agent_mod.LOCK, {"who": "test"})
+    # the stamps file's temp name, planted as a symlink: removed and written afresh, never written through
+    (d / f".{agent_mod.STAMPS}.tmp{os.getpid()}").symlink_to(victim)
+    agent_mod._atomic_write(d / agent_mod.STAMPS, "{}")
+    assert victim.read_text() == "keep me\n"
+    assert json.loads((d / agent_mod.STAMPS).read_text()) == {}
+    assert not (d / agent_mod.STAMPS).is_symlink()
