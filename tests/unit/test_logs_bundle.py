@@ -9,6 +9,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from fake_sessions import fake_sessions
 from typer.testing import CliRunner
 
 from kimictl import logs
@@ -241,30 +242,6 @@ def test_a_report_that_is_not_a_diagnostics_document_is_that_hosts_error(monkeyp
     from kimictl.ssh import SSHError
 
     inv = load_inventory(ROOT / "inventories/a3-pd.yml")
-
-    class Session:
-        def run(self, cmd, timeout=None, stdin=None):
-            return type("R", (), {"rc": 0, "stdout": report, "stderr": ""})()
-
-    class Sessions:
-        def __init__(self, inv, timeout=None):
-            self.inv = inv
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def each(self, fn):
-            out = {}
-            for h in self.inv.hosts:
-                try:
-                    out[h.name] = fn(h.name, Session())
-                except SSHError as exc:
-                    out[h.name] = exc
-            return out
-
-    monkeypatch.setattr(logs, "Sessions", Sessions)
+    monkeypatch.setattr(logs, "Sessions", fake_sessions(lambda _host, _cmd: report))
     got = logs.collect_host_files(inv, 1024)
     assert all(isinstance(v, SSHError) and "the host's report" in str(v) for v in got.values())
