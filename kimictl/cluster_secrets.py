@@ -9,7 +9,7 @@ import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kimictl.secret_file import read_secret_file
+from kimictl.secret_file import check_env_key, read_secret_file
 from kimictl.state import control_dir
 
 if TYPE_CHECKING:
@@ -66,10 +66,14 @@ def engine_key_file(inv: Inventory, pd: bool, create: bool = False) -> Path | No
     if not inv.cluster.kimi_api_key_file:
         return None
     if not pd:
-        return Path(inv.cluster.kimi_api_key_file)
-    cluster_secret(inv.cluster.name, "engine-api-key", "the engines' API key", create)
-    path = cluster_secret_path(inv.cluster.name, "engine-api-key")
-    return path if path.exists() else None
+        path, what = Path(inv.cluster.kimi_api_key_file), "all.vars.kimi_api_key_file"
+    else:
+        cluster_secret(inv.cluster.name, "engine-api-key", "the engines' API key", create)
+        path, what = cluster_secret_path(inv.cluster.name, "engine-api-key"), "the engines' API key"
+        if not path.exists():
+            return None
+    check_env_key(path, what)  # it goes on the engines' env file line as it is (release.yml)
+    return path
 
 
 def engine_api_key(inv: Inventory, pd: bool) -> str | None:

@@ -17,7 +17,7 @@ from kimictl.facts import engine_profile
 from kimictl.hostops import ROLLBACK_READY_TIMEOUT_S, Change, HostOps, Proc, compute_changes, desired_procs
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
-from kimictl.render import Rendered
+from kimictl.render import ENGINE_KEY_ENV, Rendered
 from kimictl.rundir import run_snapshot, save_run
 from kimictl.ssh import Sessions, SSHError
 
@@ -168,6 +168,7 @@ class Deployer:
             return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "no-changes")
         try:
             self._converge(changes)
+            self._engines_refuse_keyless()
             t0 = time.monotonic()
             smoke = self.smoke()
             self.timings["smoke"] = round(time.monotonic() - t0, 2)  # the first completion since the engines started
@@ -183,6 +184,22 @@ class Deployer:
         self._record("deployed", changes)
         return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "deployed", smoke,
                             self.timings)
+
+    def _engines_refuse_keyless(self) -> None:
+        """Keyed engines answer 401 to a request without the key; one that answers anything else runs keyless (its
+        key did not reach it), and the deploy fails naming it."""
+        if not self.plan.engine_api_key:
+            return
+        for p in desired_procs(self.rendered, self.inv):
+            if p.kind != "engine" or not p.serves_http:
+                continue
+            code, _ = self.http.http_get(f"http://{p.ip}:{p.port}/v1/models", 5.0)
+            if code != 401:
+                raise HostError(f"engine {p.id} answers GET /v1/models without the API key with "
+                                f"{f'HTTP {code}' if code else 'no answer'}, not 401: it runs without its key",
+                                host=p.host, step="engine key",
+                                hint=f"see its env file <kimi_state_dir>/{ENGINE_KEY_ENV} and the engine's log; "
+                                     "deploy again once it requires the key")
 
     def _admin_refused(self) -> bool:
         """The deployed front refuses this control node's admin key (it was made elsewhere, or anew here)."""

@@ -13,7 +13,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from kimictl.errors import InvalidInput, InventoryError, did_you_mean
 from kimictl.facts import hardware_catalogue, system_dirs
-from kimictl.secret_file import read_secret_file
+from kimictl.secret_file import ENV_KEY, ENV_KEY_RULE, read_secret_file
 from kimictl.yamlsrc import LineMap, load_yaml, yaml_type_hint
 
 # --- safe value shapes: nothing a shell or YAML could misread -------------------------------------------
@@ -28,7 +28,6 @@ _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}")
 _CLUSTER = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 _URL = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(?::\d+)?(?:/[A-Za-z0-9._~/%+-]*)?")
-_API_KEY = re.compile(r"[A-Za-z0-9._~+/=-]{1,4096}")
 _COMMAND = re.compile(r"[A-Za-z0-9._/+@-]+(?: [A-Za-z0-9._/+@=-]+)*")
 # An image repository as docker spells it, without tag or digest: [registry[:port]/]path (lower-case components).
 _REPO_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
@@ -601,10 +600,8 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
         except InvalidInput as exc:
             c.err(c.all_origin["kimi_api_key_file"].line, f"all.vars: {exc.message}")
         else:
-            if not _API_KEY.fullmatch(key):  # it reaches env files a shell sources and `docker --env-file` reads
-                c.err(c.all_origin["kimi_api_key_file"].line, "all.vars: kimi_api_key_file: the key must be one "
-                      "token of letters, digits and ._~+/=- (no spaces, quotes, $ or backslashes): engines read it "
-                      "from an env file")
+            if not ENV_KEY.fullmatch(key):  # it reaches env files a shell sources and `docker --env-file` reads
+                c.err(c.all_origin["kimi_api_key_file"].line, f"all.vars: kimi_api_key_file: {ENV_KEY_RULE}")
     names = [h.name for h in hosts]
     for key in ("kimi_proxy_host", "kimi_monitor_host"):
         value = getattr(cluster, key)

@@ -28,6 +28,13 @@ SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MODELSCOPE_API_TOKEN",
 MIN_LITERAL = 4  # shorter "secrets" would blank out ordinary text; they are reported, not used
 DEFAULT_MAX_FILE_BYTES = 32 * 2**20
 CONTROL_DIR_NAME = "_control-node"  # '_' cannot start an inventory host name, so it never collides
+# A host's folder in the bundle, <cluster>/<inventory host name>/: kimictl's fixed files and folders (what
+# remote/diag_bundle.py collects), each host-reported file name reduced to one safe component (bundle_member).
+HOST_FILES = ("npu-smi-info.txt", "supervisor-status.json")
+HOST_FOLDERS = ("hccn", "logs", "release", "release/engines", "release/proxy", "run", "weights")
+OTHER_FOLDER = "other"  # a file the host reported anywhere else
+CONTROL_FILES = ("host.json", "ERROR.txt")  # written by the control node
+MAX_MEMBER_NAME = 120
 
 # --- redaction -------------------------------------------------------------------------------------------
 
@@ -282,6 +289,43 @@ def log_hints(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # --- bundle ----------------------------------------------------------------------------------------------
 
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+-]")
+
+
+def safe_component(name: str) -> str:
+    """One path component from a name a host reported: letters, digits and ._+- only (anything else '_'), no
+    leading '.' or '-' (so never '..', a hidden file or an option), at most MAX_MEMBER_NAME characters."""
+    out = _UNSAFE.sub("_", name)[:MAX_MEMBER_NAME]
+    return "_" + out[1:] if out[:1] in (".", "-") else out or "_"
+
+
+def bundle_member(rel: str) -> str:
+    """Where a file the host reported as `rel` goes in its folder: a fixed file as it is, a file of a fixed folder
+    under that folder with a safe name, anything else flat under other/."""
+    if rel in HOST_FILES:
+        return rel
+    folder, _, name = rel.rpartition("/")
+    if folder in HOST_FOLDERS:
+        return f"{folder}/{safe_component(name)}"
+    return f"{OTHER_FOLDER}/{safe_component(rel.replace('/', '_'))}"
+
+
+def host_members(files: dict[str, Any]) -> dict[str, str]:
+    """A host's reported {relpath: text} as {member path in its folder: text}: names from bundle_member, made unique
+    (a name already taken, or a folder's, gets -2, -3, ...), texts that are not text as JSON."""
+    taken = {*HOST_FOLDERS, OTHER_FOLDER, *CONTROL_FILES}
+    out: dict[str, str] = {}
+    for rel, text in sorted(files.items(), key=lambda kv: str(kv[0])):
+        name = base = bundle_member(str(rel))
+        n = 1
+        while name in taken:
+            n += 1
+            name = f"{base}-{n}"
+        taken.add(name)
+        out[name] = text if isinstance(text, str) else json.dumps(text)
+    return out
+
+
 def _q(s: str) -> str:
     import shlex
 
@@ -299,7 +343,13 @@ def collect_host_files(inv: Inventory, max_file_bytes: int, timeout: float = 300
         res = s.run(f"python3 - {_q(arg)}", timeout=timeout, stdin=remote.script("diag_bundle.py"))
         if res.rc != 0:
             raise SSHError(f"{name}: collecting files failed (rc {res.rc}): {res.stderr.strip()[-300:]}")
-        return json.loads(res.stdout)
+        try:
+            doc = json.loads(res.stdout)
+        except ValueError as exc:
+            raise SSHError(f"{name}: collecting files: the host's report is not JSON ({exc})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
+            raise SSHError(f"{name}: collecting files: the host's report has no files object")
+        return doc
 
     with Sessions(inv, timeout=15.0) as sessions:
         return sessions.each(one)
@@ -379,9 +429,9 @@ def build_bundle(inv: Inventory, dest: Path, redactor: Redactor, *,
             add(f"{cluster}/{h.name}/ERROR.txt", f"{hosts[h.name]}\n")
             continue
         hosts[h.name] = "ok"
-        for rel, text in res["files"].items():
+        for rel, text in host_members(res["files"]).items():
             add(f"{cluster}/{h.name}/{rel}", text)
-        add(f"{cluster}/{h.name}/host.json", json.dumps(res["meta"], indent=1) + "\n")
+        add(f"{cluster}/{h.name}/host.json", json.dumps(res.get("meta"), indent=1) + "\n")
     for rel, text in state.bundle_files(cluster).items():
         add(f"{cluster}/{CONTROL_DIR_NAME}/{rel}", text)
     index = {"schema_version": 1, "cluster": cluster, "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

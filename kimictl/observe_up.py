@@ -16,7 +16,7 @@ from typing import Any
 
 from kimictl import health, remote
 from kimictl.errors import HostError, KimictlError
-from kimictl.hostops import LIVE_STATES, HostObservation, HostOps, Proc, compute_changes
+from kimictl.hostops import LIVE_STATES, Change, HostObservation, HostOps, Proc, compute_changes
 from kimictl.inventory import Inventory
 from kimictl.observe import PROXY_EXPORTER_SRC, ObserveConfig, ObserveRender, load_config, seconds, write_observe
 from kimictl.plan import Plan
@@ -26,6 +26,9 @@ from kimictl.state import control_dir, new_run_dir
 
 OBSERVE_DIR = "observe"  # under a host's kimi_state_dir: run/, logs/, data/ and Prometheus' files
 PROMETHEUS, NODE_EXPORTER, PROXY_EXPORTER = "prometheus", "node-exporter", "proxy-exporter"
+# The system user the monitoring processes run as (observe.yml creates it; the supervisor switches to it): none of
+# them needs root. It reads Prometheus' files and owns its data; it can traverse the state dir and bin/, no more.
+OBSERVE_USER = "kimi-observe"
 STOP_GRACE_S = 10
 RECORD = "observe.json"  # in the cluster's control directory: where Prometheus runs (for `kimictl status`)
 
@@ -35,6 +38,12 @@ class HostProbe:
     binaries: dict[str, str]  # name -> path on the host, for the binaries found
     states: dict[str, dict[str, Any]]  # the supervisor's monitoring processes
     node_port_open: bool
+    root: bool = True  # kimictl logs in as root there (else the processes run as that login, unprivileged already)
+
+    @property
+    def user(self) -> str | None:
+        """Whom the monitoring processes run as: OBSERVE_USER, or None for the login user when that is not root."""
+        return OBSERVE_USER if self.root else None
 
 
 @dataclass
@@ -72,16 +81,18 @@ def probe_hosts(inv: Inventory, hosts: list[str], cfg: ObserveConfig, *, timeout
                + f"echo @@kimi; if [ -f {sd}/bin/supervisor.py ] && [ -d {od}/run ]; then "
                f"python3 {sd}/bin/supervisor.py status --run-dir {od}/run || echo '[]'; else echo '[]'; fi; "
                "echo @@kimi; python3 -c 'import socket,sys; s=socket.socket(); s.settimeout(1); "
-               f"print(s.connect_ex((sys.argv[1], int(sys.argv[2]))))' {h.ip} {cfg.node_exporter.port}")
+               f"print(s.connect_ex((sys.argv[1], int(sys.argv[2]))))' {h.ip} {cfg.node_exporter.port}; "
+               "echo @@kimi; id -u")
         out = s.run(cmd, timeout=timeout).stdout
         bins, _, rest = out.partition("@@kimi")
-        sup, _, port = rest.partition("@@kimi")
+        sup, _, rest = rest.partition("@@kimi")
+        port, _, uid = rest.partition("@@kimi")
         found = dict(line.split("=", 1) for line in bins.split() if "=" in line)
         try:
             states = {x["name"]: x for x in json.loads(sup or "[]")}
         except (ValueError, KeyError, TypeError):
             states = {}
-        return HostProbe({k: v for k, v in found.items() if v}, states, port.strip() == "0")
+        return HostProbe({k: v for k, v in found.items() if v}, states, port.strip() == "0", uid.strip() == "0")
 
     with Sessions(inv.limited(hosts), timeout=timeout, accept_new_keys=accept_new_keys) as sessions:
         got = sessions.each(one)
@@ -123,8 +134,8 @@ def desired_procs(plan: Plan, inv: Inventory, r: ObserveRender, cfg: ObserveConf
         node[host] = "kimictl"
         b = binary(host, cfg.node_exporter.binaries)
         cmd = [b or "", f"--web.listen-address={h.ip}:{cfg.node_exporter.port}"]
-        procs.append(Proc(host, NODE_EXPORTER, "monitor", _tag(*cmd), cmd, h.ip, cfg.node_exporter.port, True,
-                          "node"))
+        procs.append(Proc(host, NODE_EXPORTER, "monitor", _tag(*cmd, f"user={pr.user}"), cmd, h.ip,
+                          cfg.node_exporter.port, True, "node"))
     if plan.proxy:
         p, h = plan.proxy, inv.host(plan.proxy.host)
         probe_s = max(0.2, min(1.5, seconds(cfg.prometheus.scrape_timeout) * 0.6))
@@ -137,7 +148,8 @@ def desired_procs(plan: Plan, inv: Inventory, r: ObserveRender, cfg: ObserveConf
             cmd += ["--membership", kind.membership]
         if kind.metrics_flag is None:
             cmd += ["--no-router-metrics"]
-        procs.append(Proc(h.name, PROXY_EXPORTER, "monitor", _tag(*cmd, PROXY_EXPORTER_SRC.read_text()), cmd, h.ip,
+        procs.append(Proc(h.name, PROXY_EXPORTER, "monitor",
+                          _tag(*cmd, PROXY_EXPORTER_SRC.read_text(), f"user={probes[h.name].user}"), cmd, h.ip,
                           cfg.proxy_exporter.port, True, "proxy"))
     m = inv.host(r.monitor_host)
     od = f"{m.kimi_state_dir}/{OBSERVE_DIR}"
@@ -148,14 +160,41 @@ def desired_procs(plan: Plan, inv: Inventory, r: ObserveRender, cfg: ObserveConf
            f"--storage.tsdb.retention.time={cfg.prometheus.retention}",
            f"--web.listen-address={m.ip}:{cfg.prometheus.port}"]
     files = [c for k, c in sorted(r.files.items()) if _on_monitor(k)]
-    procs.append(Proc(m.name, PROMETHEUS, "monitor", _tag(*cmd, *files), cmd, m.ip, cfg.prometheus.port, True,
-                      "monitor"))
+    procs.append(Proc(m.name, PROMETHEUS, "monitor", _tag(*cmd, *files, f"user={probes[m.name].user}"), cmd, m.ip,
+                      cfg.prometheus.port, True, "monitor"))
     if missing:
         raise KimictlError("monitoring binaries are missing: " + "; ".join(missing), details=missing,
                            hint="install them on those hosts (Debian/Ubuntu: apt-get install prometheus "
                                 "prometheus-node-exporter; or upstream's prometheus / node_exporter on the PATH), "
                                 "or merge into an existing Prometheus: kimictl observe up --print")
     return procs, node
+
+
+def plan_actions(changes: list[Change], probes: dict[str, HostProbe]
+                 ) -> tuple[dict[str, list[str]], dict[str, list[dict[str, Any]]], dict[str, dict[str, list[str]]]]:
+    """(stops, starts, the report's actions) per host. A process that changes is stopped before it starts again, so
+    observe.yml hands Prometheus' data directory over while nothing writes it; each start names its user."""
+    stops: dict[str, list[str]] = {}
+    starts: dict[str, list[dict[str, Any]]] = {}
+    actions: dict[str, dict[str, list[str]]] = {}
+    for c in changes:
+        actions.setdefault(c.host, {"start": [], "keep": [], "stop": []})
+        if c.action in ("stop", "replace"):
+            stops.setdefault(c.host, []).append(c.id)
+        if c.action in ("start", "replace") and c.new:
+            starts.setdefault(c.host, []).append({"id": c.id, "cmd": c.new.cmd, "tag": c.new.tag,
+                                                  "user": probes[c.host].user})
+        actions[c.host]["stop" if c.action == "stop" else "keep" if c.action == "keep" else "start"].append(c.id)
+    return stops, starts, actions
+
+
+def user_vars(hosts: list[str], probes: dict[str, HostProbe], monitor_host: str,
+              starts: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """observe.yml's user vars: the user per host (None: the login's own, not root), and Prometheus' user when it
+    starts now (its data directory is handed to it then)."""
+    prom = any(a["id"] == PROMETHEUS for a in starts.get(monitor_host, []))
+    return {"user_of": {h: probes[h].user for h in hosts},
+            "prometheus_user": probes[monitor_host].user if prom else None}
 
 
 def _on_monitor(rel: str) -> bool:
@@ -221,16 +260,7 @@ def observe_up(plan: Plan, inv: Inventory, r: ObserveRender, *, say: Callable[[s
     probes = probe_hosts(inv, hosts, cfg, accept_new_keys=accept_new_host_keys)
     procs, node = desired_procs(plan, inv, r, cfg, probes)
     changes = compute_changes(procs, {h: HostObservation(p.states, None) for h, p in probes.items()})
-    stops: dict[str, list[str]] = {}
-    starts: dict[str, list[dict[str, Any]]] = {}
-    actions: dict[str, dict[str, list[str]]] = {}
-    for c in changes:
-        actions.setdefault(c.host, {"start": [], "keep": [], "stop": []})
-        if c.action == "stop":
-            stops.setdefault(c.host, []).append(c.id)
-        elif c.action in ("start", "replace") and c.new:
-            starts.setdefault(c.host, []).append({"id": c.id, "cmd": c.new.cmd, "tag": c.new.tag})
-        actions[c.host]["stop" if c.action == "stop" else "keep" if c.action == "keep" else "start"].append(c.id)
+    stops, starts, actions = plan_actions(changes, probes)
     ops = HostOps(inv, "", new_run_dir(plan.cluster, "observe"), say=say, on_event=on_event,
                   accept_new_host_keys=accept_new_host_keys)
     files = ops.run_dir / "observe"
@@ -251,7 +281,7 @@ def observe_up(plan: Plan, inv: Inventory, r: ObserveRender, *, say: Callable[[s
                 "state_dir_of": ops.state_dir_of, "monitor_host": r.monitor_host, "prometheus_files": str(prom_files),
                 "bin": {name: str(remote.source(name)) for name in ("supervisor.py", "proxy_exporter.py")},
                 "actions": {h: {"stop": stops.get(h, []), "start": starts.get(h, [])} for h in hosts},
-                "grace": STOP_GRACE_S}, hosts)
+                **user_vars(hosts, probes, r.monitor_host, starts), "grace": STOP_GRACE_S}, hosts)
         finally:
             close_control_masters(ops.run_dir)
     targets = wait_scraped(r.prometheus_url, r, cfg, ready_timeout, say)

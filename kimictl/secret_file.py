@@ -4,10 +4,18 @@ into rendered files, run directories or logs. Which files hold a cluster's keys:
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
 from kimictl.errors import InvalidInput
+
+# A key that goes on an env file line (VLLM_API_KEY=KEY) as it is: bash's `. FILE` and docker's --env-file read these
+# characters back literally, and neither format has a quoting both understand (docker keeps quotes as part of the
+# value). No blanks, quotes, $ or backslashes; no leading ~ (bash expands it in an assignment).
+ENV_KEY = re.compile(r"[A-Za-z0-9._+/=-][A-Za-z0-9._~+/=-]{0,4095}")
+ENV_KEY_RULE = ("the key must be one token of letters, digits and ._~+/=- (no spaces, quotes, $, backslashes or a "
+                "leading ~): engines read it from an env file")
 
 
 def read_secret_file(path: Path, what: str) -> str:
@@ -33,3 +41,11 @@ def read_secret_file(path: Path, what: str) -> str:
     if not text:
         raise InvalidInput(f"{what} {path} is empty")
     return text
+
+
+def check_env_key(path: Path, what: str) -> str:
+    """read_secret_file's key, refused (exit 2) unless an env file line carries it exactly (ENV_KEY)."""
+    key = read_secret_file(path, what)
+    if not ENV_KEY.fullmatch(key):
+        raise InvalidInput(f"{what} {path}: {ENV_KEY_RULE}")
+    return key

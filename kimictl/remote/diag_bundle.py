@@ -4,7 +4,9 @@ Run on a host (one SSH round trip per host): `python3 - ARGS_JSON` with this fil
 {"sd": state dir, "cap": bytes kept per file (0 = whole files), "npus": N, "model_dir": DIR}. Read-only:
 npu-smi and hccn_tool queries, the logs, the current release's files, the supervisor's state files and what
 `weights pull/verify` recorded. Output: {files: {relpath: text}, meta: {hostname, uname, state_dir, current,
-errors}}; the control node redacts it before anything is written.
+errors}}; the control node redacts it before anything is written, and trusts none of the names: it rebuilds each
+member name from kimictl's own folders (kimictl/logs.py HOST_FILES, HOST_FOLDERS; anything else lands in other/)
+and a safe form of the file name.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import fcntl
 import hashlib
 import json
 import os
+import pwd
 import re
 import select
 import shlex
@@ -363,6 +364,7 @@ class Supervisor:
             "next_start_at": None,
             "cmd": cfg["cmd"],
             "cmd_hash": cfg["cmd_hash"],
+            "user": cfg["user"]["name"] if cfg["user"] else None,
             "cwd": cfg["cwd"],
             "log": cfg["log"],
             "grace": cfg["grace"],
@@ -424,6 +426,7 @@ class Supervisor:
                 env=self.cfg["env"],
                 start_new_session=True,  # own session and process group: stop kills the whole group
                 close_fds=True,
+                **self.identity(),
             )
         except OSError as e:
             os.close(r)
@@ -446,6 +449,11 @@ class Supervisor:
         )
         self.log.event(f"started pid {proc.pid}: {shlex.join(self.cfg['cmd'])}")
         return None
+
+    def identity(self):
+        """Popen's user switch for --user (groups first, then gid, then uid, in the child before exec)."""
+        u = self.cfg["user"]
+        return {"user": u["uid"], "group": u["gid"], "extra_groups": u["groups"]} if u else {}
 
     def exec_failed(self, err):
         message = f"cannot execute {self.cfg['cmd'][0]!r}: {err.strerror or err}"
@@ -715,6 +723,22 @@ def read_env_file(path):
     return env
 
 
+def run_as(name):
+    """--user NAME: the command runs with that user's uid, primary group and groups (the supervisor, root, keeps
+    its run dir and log). Refused: a user that does not exist, root, or a supervisor that cannot switch."""
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        raise Fail(f"--user {name}: no such user", EXIT_USAGE) from None
+    if pw.pw_uid == 0:
+        raise Fail(f"--user {name}: is root; name an unprivileged user", EXIT_USAGE)
+    if os.geteuid() != 0:
+        raise Fail(f"--user {name}: only a supervisor running as root can run the command as another user",
+                   EXIT_USAGE)
+    return {"name": name, "uid": pw.pw_uid, "gid": pw.pw_gid, "groups": os.getgrouplist(name, pw.pw_gid),
+            "home": pw.pw_dir}
+
+
 def build_config(args, cmd):
     if not cmd:
         raise Fail("missing command: start ... -- CMD [ARGS...]", EXIT_USAGE)
@@ -732,6 +756,7 @@ def build_config(args, cmd):
     for ok, message in checks:
         if not ok:
             raise Fail(message, EXIT_USAGE)
+    user = run_as(args.user) if args.user else None
     # Absolute paths: the daemon chdirs to / before it opens anything.
     cwd = os.path.abspath(args.cwd)
     file_env = read_env_file(os.path.abspath(args.env_file)) if args.env_file else {}
@@ -740,11 +765,15 @@ def build_config(args, cmd):
     # The child may want to know who supervises it and which release (tag) it belongs to.
     env["KIMICTL_SUPERVISED_NAME"] = args.name
     env["KIMICTL_TAG"] = args.tag or ""
-    # What "the same command" means for idempotent start: argv, working dir and the env file's variables.
-    spec = json.dumps({"cmd": cmd, "cwd": cwd, "env": file_env}, sort_keys=True, separators=(",", ":"))
+    if user:
+        env.update(HOME=user["home"], USER=args.user, LOGNAME=args.user)
+    # What "the same command" means for idempotent start: argv, working dir, the env file's variables (and the user).
+    spec = json.dumps({"cmd": cmd, "cwd": cwd, "env": file_env, **({"user": args.user} if user else {})},
+                      sort_keys=True, separators=(",", ":"))
     return {
         "name": args.name,
         "tag": args.tag,
+        "user": user,
         "cmd": cmd,
         "cmd_hash": "sha256:" + hashlib.sha256(spec.encode()).hexdigest(),
         "cwd": cwd,
@@ -1042,7 +1071,8 @@ def launch_unit(args, cmd, cfg, paths):
             "--keep-logs", str(args.keep_logs), "--grace", str(args.grace), "--backoff-min", str(args.backoff_min),
             "--backoff-max", str(args.backoff_max), "--backoff-reset", str(args.backoff_reset)]
     for flag, value in (("--env-file", args.env_file and os.path.abspath(args.env_file)), ("--tag", args.tag),
-                        ("--max-restarts", args.max_restarts), ("--restart-window", args.restart_window)):
+                        ("--max-restarts", args.max_restarts), ("--restart-window", args.restart_window),
+                        ("--user", args.user)):
         if value is not None:
             argv += [flag, str(value)]
     unit = unit_name(run_dir, args.name)
@@ -1127,6 +1157,8 @@ def parser():
         sp.add_argument("--log", required=True, help="log file for the command's stdout+stderr")
         sp.add_argument("--cwd", default="/", help="working directory of the command (default /)")
         sp.add_argument("--env-file", help="KEY='value' lines (shell quoting) added to the environment")
+        sp.add_argument("--user", help="run the command as this unprivileged user (its groups, HOME; the supervisor "
+                                       "must be root)")
         sp.add_argument("--max-log-bytes", type=int, default=100 * 1024 * 1024, help="rotate past this (0: never)")
         sp.add_argument("--keep-logs", type=int, default=5, help="rotated files kept: FILE.1 .. FILE.K")
         sp.add_argument("--grace", type=float, default=30.0, help="seconds from SIGTERM to SIGKILL on stop")

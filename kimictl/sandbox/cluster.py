@@ -789,7 +789,8 @@ def boot_script(h: HostSpec, directory: Path, mode: str, host_python: dict[str, 
                   f"mount --bind '{directory / 'etc_hosts'}' /etc/hosts",
                   f"mount --bind '{h.sim_dir}' {layout.SIM_DIR}"]
         if carry:
-            lines += [f"mkdir -p '{prefix}'", f"mount --move /run/kimi-python '{prefix}'"]
+            # 711: the carried python3 runs for the unprivileged monitoring user too (observe up), /root stays unlisted
+            lines += [f"mkdir -p '{prefix}'", f"mount --move /run/kimi-python '{prefix}'", "chmod 711 /root"]
     else:
         lines.append(f"mkdir -p '{h.state_dir}'")
     # the site's NPU-Exporter (a double reading the host state), on its default port like a real Atlas host's

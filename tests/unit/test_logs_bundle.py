@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import stat
 import tarfile
 from pathlib import Path
 
 import pytest
+from fake_sessions import fake_sessions
 from typer.testing import CliRunner
 
 from kimictl import logs
@@ -162,3 +164,84 @@ def test_cli_rejects_filters_with_bundle_and_bad_secrets_file(tmp_path: Path) ->
     assert r.exit_code == 2 and "secrets-file" in r.output
     r = CliRunner().invoke(app, ["logs", "-i", inv, "--role", "router"])
     assert r.exit_code == 2
+
+
+HOSTILE = {
+    "../../etc/cron.d/x": "* * * * * root sh -c 'pwned'\n",
+    "logs/../../../../etc/passwd": "root::0:0::/root:/bin/sh\n",
+    "/etc/shadow": "root:x\n",
+    "logs/..": "dot-dot\n",
+    "logs/.hidden.log": "hidden\n",
+    "logs/-rf.log": "option-like\n",
+    "logs/a\x00b\nc.log": "nul and newline\n",
+    "logs/a_b_c.log": "taken first by the sanitised name above\n",
+    "logs/" + "x" * 5000 + ".log": "long\n",
+    "release/engines": "a file where kimictl's folder is\n",
+    "release/engines/../../../x.sh": "climb out of the release\n",
+    "host.json": "forged meta\n",
+    "npu-smi-info.txt": "| 0 Ascend910 | OK |\n",
+    "logs/prefill-0-dp0.log": "an ordinary log\n",
+    "logs/not-text.log": {"a": 1},
+}
+
+
+def test_host_reported_names_stay_inside_the_hosts_folder_and_extract_cleanly(tmp_path: Path, state_dir: Path,
+                                                                             monkeypatch) -> None:
+    inv = load_inventory(ROOT / "inventories/a3-pd.yml")
+    cluster, first, second = inv.cluster.name, inv.hosts[0].name, inv.hosts[1].name
+
+    def collect(_inv, _cap, timeout=300.0):
+        out = _fake_hosts(inv)(_inv, _cap)
+        out[first] = {"files": dict(HOSTILE), "meta": {"hostname": "evil\n"}}
+        return out
+
+    monkeypatch.setattr(logs, "collect_host_files", collect)
+    _control(state_dir, cluster)
+    dest = tmp_path / "b.tar.gz"
+    build_bundle(inv, dest, Redactor())
+    with tarfile.open(dest) as tar:
+        members = tar.getmembers()
+        texts = {m.name: tar.extractfile(m).read().decode() for m in members}
+        tar.extractall(tmp_path / "x", filter="data")  # refuses absolute names, '..', links: nothing to refuse here
+    mine = sorted(n[len(f"{cluster}/{first}/"):] for n in texts if n.startswith(f"{cluster}/{first}/"))
+    assert len(mine) == len(HOSTILE) + 1  # every reported file is kept (renamed), plus host.json
+    for rel in mine:
+        parts = rel.split("/")
+        assert all(re.fullmatch(r"[A-Za-z0-9_+][A-Za-z0-9._+-]{0,130}", p) for p in parts), rel
+        assert rel in ("npu-smi-info.txt", "host.json") or "/".join(parts[:-1]) in (*logs.HOST_FOLDERS, "other")
+    assert all(m.isfile() for m in members) and len(texts) == len(members)
+    assert {p.name for p in (tmp_path / "x").iterdir()} == {cluster}
+    assert sorted(p.name for p in (tmp_path / "x" / cluster).iterdir()) == sorted([first, second, "_control-node",
+                                                                                   "bundle.json"])
+    base = f"{cluster}/{first}"
+    expected = {  # reported name -> member under the host's folder
+        "../../etc/cron.d/x": "other/_._.._etc_cron.d_x",
+        "logs/../../../../etc/passwd": "other/logs_.._.._.._.._etc_passwd",
+        "/etc/shadow": "other/_etc_shadow",
+        "logs/..": "logs/_.",
+        "logs/.hidden.log": "logs/_hidden.log",
+        "logs/-rf.log": "logs/_rf.log",
+        "release/engines": "release/engines-2",   # kimictl's folder keeps its name
+        "release/engines/../../../x.sh": "other/release_engines_.._.._.._x.sh",
+        "host.json": "other/host.json",           # the control node writes host.json
+        "npu-smi-info.txt": "npu-smi-info.txt",
+        "logs/prefill-0-dp0.log": "logs/prefill-0-dp0.log",
+        "logs/" + "x" * 5000 + ".log": "logs/" + "x" * logs.MAX_MEMBER_NAME,
+    }
+    for reported, member in expected.items():
+        assert texts[f"{base}/{member}"] == HOSTILE[reported], reported
+    # two names that sanitise alike both arrive: the second (in sorted order) gets a suffix
+    assert texts[f"{base}/logs/a_b_c.log"] == HOSTILE["logs/a\x00b\nc.log"]
+    assert texts[f"{base}/logs/a_b_c.log-2"] == HOSTILE["logs/a_b_c.log"]
+    assert json.loads(texts[f"{base}/logs/not-text.log"]) == {"a": 1}
+    assert json.loads(texts[f"{base}/host.json"]) == {"hostname": "evil\n"}
+
+
+@pytest.mark.parametrize("report", ["not json", "[1, 2]", '{"files": ["a"]}', '{"meta": {}}'])
+def test_a_report_that_is_not_a_diagnostics_document_is_that_hosts_error(monkeypatch, report: str) -> None:
+    from kimictl.ssh import SSHError
+
+    inv = load_inventory(ROOT / "inventories/a3-pd.yml")
+    monkeypatch.setattr(logs, "Sessions", fake_sessions(lambda _host, _cmd: report))
+    got = logs.collect_host_files(inv, 1024)
+    assert all(isinstance(v, SSHError) and "the host's report" in str(v) for v in got.values())

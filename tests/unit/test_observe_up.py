@@ -3,13 +3,19 @@ kept, the monitoring processes tagged with exactly their command and files."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
+import jinja2
 import pytest
+import yaml
+from fake_sessions import fake_sessions
 
-from kimictl import observe
+from kimictl import observe, observe_up
 from kimictl.errors import KimictlError
-from kimictl.observe_up import HostProbe, desired_procs
+from kimictl.hostops import HostObservation, compute_changes
+from kimictl.observe_up import OBSERVE_USER, PROMETHEUS, HostProbe, desired_procs, plan_actions, user_vars
 from kimictl.pipeline import prepare
 from kimictl.topology import Slo
 
@@ -75,3 +81,91 @@ def test_missing_binaries_fail_before_anything_runs_naming_the_hosts(pd):
     assert e.value.details == [f"{second}: none of prometheus-node-exporter, node_exporter is installed",
                                f"{first}: none of prometheus is installed"]
     assert "apt-get install prometheus prometheus-node-exporter" in e.value.hint and "--print" in e.value.hint
+
+
+# --- issue 27: the monitoring processes run as their own unprivileged user ----------------------------------------
+
+
+def test_every_monitoring_process_starts_as_the_observe_user_and_a_root_one_is_replaced(pd):
+    p, r, cfg = pd
+    pr = probes(p)
+    procs, _ = desired_procs(p.plan, p.inventory, r, cfg, pr)
+    hosts = [h.name for h in p.inventory.hosts]
+    stops, starts, _ = plan_actions(compute_changes(procs, {h: HostObservation({}, None) for h in hosts}), pr)
+    assert not stops and sorted((h, a["id"]) for h, acts in starts.items() for a in acts) == sorted(
+        (x.host, x.id) for x in procs)
+    assert {a["user"] for acts in starts.values() for a in acts} == {OBSERVE_USER} != {"root"}
+    assert user_vars(hosts, pr, r.monitor_host, starts) == {"user_of": dict.fromkeys(hosts, OBSERVE_USER),
+                                                            "prometheus_user": OBSERVE_USER}
+    # what an earlier kimictl started as root has another tag: stopped, handed over, started as the user
+    as_root = {x.host: {} for x in procs}
+    for x in procs:
+        as_root[x.host][x.id] = {"state": "running", "tag": "tag-of-a-root-process", "cmd": x.cmd}
+    changes = compute_changes(procs, {h: HostObservation(s, None) for h, s in as_root.items()})
+    assert {c.action for c in changes} == {"replace"}
+    stops, starts, actions = plan_actions(changes, pr)
+    assert {h: sorted(v) for h, v in stops.items()} == {h: sorted(a["id"] for a in v) for h, v in starts.items()}
+    assert all(a["start"] and not a["stop"] for a in actions.values())  # the report still says "start"
+    # running as the user already: Prometheus is kept, its data directory is not walked again
+    kept = {x.host: {} for x in procs}
+    for x in procs:
+        kept[x.host][x.id] = {"state": "running", "tag": x.tag, "cmd": x.cmd}
+    kept[r.monitor_host].pop(PROMETHEUS)
+    _, starts, _ = plan_actions(compute_changes(procs, {h: HostObservation(s, None) for h, s in kept.items()}), pr)
+    assert user_vars(hosts, pr, r.monitor_host, starts)["prometheus_user"] == OBSERVE_USER
+    assert user_vars(hosts, pr, r.monitor_host, {})["prometheus_user"] is None
+
+
+def test_a_host_kimictl_does_not_log_in_to_as_root_runs_them_as_that_login(pd):
+    p, r, cfg = pd
+    other = next(h.name for h in p.inventory.hosts if h.name != r.monitor_host)
+    pr = probes(p, **{other: HostProbe(dict(BINS), {}, False, root=False)})
+    procs, _ = desired_procs(p.plan, p.inventory, r, cfg, pr)
+    _, starts, _ = plan_actions(compute_changes(procs, {h: HostObservation({}, None) for h in pr}), pr)
+    assert {a["user"] for a in starts[other]} == {None}
+    assert user_vars(list(pr), pr, r.monitor_host, starts)["user_of"][other] is None
+    # the same command as root or not is another process (its tag says whom it runs as)
+    root_tags = {(x.host, x.id): x.tag for x in desired_procs(p.plan, p.inventory, r, cfg, probes(p))[0]}
+    assert all((x.tag == root_tags[(x.host, x.id)]) == (x.host != other) for x in procs)
+
+
+def test_the_probe_says_whether_kimictl_logs_in_as_root(pd, monkeypatch):
+    p, _, cfg = pd
+    uids = dict(zip((h.name for h in p.inventory.hosts), ("0", "1000"), strict=True))
+
+    def answer(host: str, cmd: str) -> str:
+        assert cmd.endswith("echo @@kimi; id -u")
+        return "prometheus=/usr/bin/prometheus\n@@kimi\n[]\n@@kimi\n1\n@@kimi\n" + uids[host] + "\n"
+
+    monkeypatch.setattr(observe_up, "Sessions", fake_sessions(answer))
+    got = observe_up.probe_hosts(p.inventory, list(uids), cfg)
+    assert {h: (g.root, g.user, g.node_port_open, g.binaries) for h, g in got.items()} == {
+        h: (uid == "0", observe_up.OBSERVE_USER if uid == "0" else None, False, {"prometheus": "/usr/bin/prometheus"})
+        for h, uid in uids.items()}
+
+
+def test_observe_yml_starts_each_process_with_its_user_and_creates_that_user():
+    play = yaml.safe_load((REPO / "playbooks/observe.yml").read_text())[0]
+    tasks = {t["name"]: t for t in play["tasks"]}
+    start = next(t for n, t in tasks.items() if n.startswith("Start monitoring processes"))
+    argv = jinja2.Environment().from_string(start["ansible.builtin.command"]["argv"])
+    cmd = ["/usr/bin/prometheus", "--config.file=x"]
+
+    def rendered(user):
+        out = argv.render(sd="/sd", od="/sd/observe", kimi={"grace": 10},
+                          item={"id": "prometheus", "tag": "t1", "cmd": cmd, "user": user})
+        return yaml.safe_load(out)
+
+    as_user = rendered("kimi-observe")
+    assert as_user[:3] == ["python3", "/sd/bin/supervisor.py", "start"] and as_user[-3:] == ["--", *cmd]
+    assert as_user[as_user.index("--user") + 1] == "kimi-observe" and as_user.index("--user") < as_user.index("--")
+    assert "--user" not in rendered(None)
+    user = tasks["Create the monitoring user (no login, no home)"]
+    made = {next(k for k in t if k.startswith("ansible.builtin.")): t for t in user["block"]}
+    assert made["ansible.builtin.user"]["ansible.builtin.user"]["system"] is True
+    assert made["ansible.builtin.user"]["ansible.builtin.user"]["shell"] == "/usr/sbin/nologin"
+    assert user["when"] == "kimi.user_of[inventory_hostname] is not none"
+    check = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "--syntax-check", "-i",
+                            "localhost,", str(REPO / "playbooks/observe.yml")], capture_output=True, text=True,
+                           check=False)
+    assert check.returncode == 0, check.stderr

@@ -189,10 +189,10 @@ class FakeFront:
         self.log.append(("front", "release", str(index)))
 
 
-def _inventory(tmp_path: Path, hosts: int) -> Inventory:
+def _inventory(tmp_path: Path, hosts: int, **all_vars: Any) -> Inventory:
     doc = {"all": {"vars": {"kimi_cluster": CLUSTER, "kimi_model_dir": "/data/models/Kimi-K2.5-W4A8",
                             "kimi_runtime": "host", "kimi_nic": "eth0",
-                            "kimi_proxy_script": "/opt/vllm-ascend/examples/proxy.py"},
+                            "kimi_proxy_script": "/opt/vllm-ascend/examples/proxy.py", **all_vars},
                    "hosts": {f"atlas-{i:02d}": {"ansible_host": f"10.9.0.{10 + i}", "kimi_hardware": "atlas-800-a3"}
                              for i in range(1, hosts + 1)}}}
     (tmp_path / "inv.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -215,10 +215,10 @@ def state_dir(tmp_path: Path, monkeypatch) -> Path:
 # --- deploy ------------------------------------------------------------------------------------------------
 
 
-def _deploy_setup(tmp_path: Path):
+def _deploy_setup(tmp_path: Path, **all_vars: Any):
     """The previous release runs; the new one changes the decode engines' flags and drops nothing else. One
     extra process (an engine of an older layout) runs too, so the deploy stops it."""
-    inv = _inventory(tmp_path, 2)
+    inv = _inventory(tmp_path, 2, **all_vars)
     topo = load_topology("a3-pd")
     old = render(make_plan(inv, topo), inv, topo)
     t2, i2 = apply_sets(topo, inv, parse_sets(["decode.serve.max-num-seqs=16"], topo))
@@ -298,6 +298,45 @@ def test_a_no_changes_deploy_adopts_a_release_this_control_node_did_not_record(t
     cur = state.current(CLUSTER)
     assert (cur.release, cur.hosts, cur.kind, cur.result) == (res.release, new.releases, "adopted", "deployed")
     assert state.history(CLUSTER)[-1].release == res.release
+
+
+class KeyedHttp(FakeHttp):
+    """Engines that require the API key: GET /v1/models without it gets 401, except from the `keyless` ones."""
+
+    def __init__(self, keyless: set[str] = frozenset()):
+        super().__init__()
+        self.keyless = keyless
+        self.unkeyed: list[str] = []
+
+    def http_get(self, url: str, timeout: float = 3.0, api_key: str | None = None) -> tuple[int, str]:
+        if url.endswith("/v1/models") and not api_key:
+            self.unkeyed.append(url)
+            if url.removesuffix("/v1/models") not in self.keyless:
+                return 401, json.dumps({"error": "Unauthorized"})
+        return super().http_get(url, timeout, api_key)
+
+
+def test_a_keyed_deploy_checks_each_engine_refuses_a_request_without_the_key(tmp_path: Path) -> None:
+    key = tmp_path / "client-key"
+    key.write_text("sk-orch-unit-1234\n")
+    key.chmod(0o600)
+    inv, _, new, ops = _deploy_setup(tmp_path, kimi_api_key_file=str(key))
+    assert new.plan.engine_api_key
+    engines = {f"http://{p.ip}:{p.port}": p for p in desired_procs(new, inv) if p.kind == "engine" and p.serves_http}
+    http = KeyedHttp()
+    assert _deploy(inv, new, ops, http).run().result == "deployed"
+    assert sorted(http.unkeyed) == sorted(f"{u}/v1/models" for u in engines)  # every engine, not only the started
+
+    # one engine answers without the key (its key never reached it): the deploy fails naming host and engine
+    inv, _, new, ops = _deploy_setup(tmp_path, kimi_api_key_file=str(key))
+    url, bad = next((u, p) for u, p in sorted(engines.items()) if p.role == "prefill")  # kept, not restarted
+    with pytest.raises(HostError) as exc:
+        _deploy(inv, new, ops, KeyedHttp(keyless={url})).run()
+    assert exc.value.message == (f"engine {bad.id} answers GET /v1/models without the API key with HTTP 200, "
+                                 "not 401: it runs without its key")
+    assert (exc.value.host, exc.value.step) == (bad.host, "engine key")
+    assert len(ops.actions("rollback")) == 1 and not [c for c in ops.calls if c[0] == "switch"]
+    assert state.history(CLUSTER)[-1].result == "failed"
 
 
 # --- rollout -----------------------------------------------------------------------------------------------

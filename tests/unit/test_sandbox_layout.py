@@ -144,10 +144,11 @@ def test_boot_script_carries_a_floor_python_under_root_past_the_hosts_fresh_root
         "mount -t overlay overlay -o 'lowerdir=/usr/local,",
         "mount --bind '/root/.pyenv/versions/3.9.18' /run/kimi-python", "mount -o remount,bind,ro /run/kimi-python",
         "mount -t tmpfs -o mode=700,size=256m tmpfs /root", "mkdir -p '/root/.pyenv/versions/3.9.18'",
-        "mount --move /run/kimi-python '/root/.pyenv/versions/3.9.18'", "exec /usr/sbin/sshd")]
-    assert order == sorted(order)
+        "mount --move /run/kimi-python '/root/.pyenv/versions/3.9.18'", "chmod 711 /root", "exec /usr/sbin/sshd")]
+    assert order == sorted(order)  # traversable: observe up runs the exporters, python3 among them, unprivileged
     for visible in (None, {**py, "prefix": "/usr"}):   # nothing to carry
         assert "/run/kimi-python" not in boot_script(h, tmp_path, "netns", visible)
+        assert "chmod 711 /root" not in boot_script(h, tmp_path, "netns", visible)
 
 
 @pytest.mark.parametrize("bad", ["/etc/sb", "/var/lib/kimi-sb", "/opt", "/usr/local/sb", "/root/sb"])

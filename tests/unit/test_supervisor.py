@@ -192,13 +192,19 @@ def test_start_returns_at_once_and_detaches(h: Harness) -> None:
     assert st["state"] == "running" and st["alive"] is True and st["child_alive"] is True
 
 
-def test_under_systemd_the_supervisor_is_a_transient_unit(h: Harness, monkeypatch) -> None:
+def fake_systemd_run(h: Harness, monkeypatch) -> Path:
+    """systemd-run on PATH is tests/unit/data/fake_systemd_run.sh; the file it records its arguments in."""
     bin_dir = h.tmp / "bin"
     bin_dir.mkdir()
     (bin_dir / "systemd-run").symlink_to(Path(__file__).parent / "data" / "fake_systemd_run.sh")
     launched = h.tmp / "systemd-run.args"
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_SYSTEMD_RUN_LOG", str(launched))
+    return launched
+
+
+def test_under_systemd_the_supervisor_is_a_transient_unit(h: Harness, monkeypatch) -> None:
+    launched = fake_systemd_run(h, monkeypatch)
     doc = h.started(SLEEPER, "--tag", "rel-1", "--grace", "3", "--systemd", "yes")
     args = launched.read_text().splitlines()
     unit = sv.unit_name(str(h.run_dir), "eng")
@@ -237,6 +243,52 @@ def test_env_file_and_cwd_reach_the_child(h: Harness) -> None:
     h.started(script, "--env-file", str(env_file), "--cwd", str(wd))
     expected = json.dumps([str(wd), "hello world", "a b", "x\ny"])
     wait_for(lambda: h.printed(expected), "env and cwd printed by the child")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs a root supervisor")
+def test_user_runs_the_command_as_that_user_while_the_supervisor_stays_root(h: Harness) -> None:
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    cmd = ("start", "--name", "eng", "--run-dir", str(h.run_dir), "--log", str(h.log))
+    script = 'echo "ids $(id -u) $(id -g) [$(id -G)] $HOME $USER"; sleep 600'
+    r = h.sup(*cmd, "--user", "nobody", "--", "/bin/sh", "-c", script, h.marker)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["user"] == "nobody" and doc["state"] == "running"
+    expected = f"ids {nobody.pw_uid} {nobody.pw_gid} [{' '.join(map(str, os.getgrouplist('nobody', nobody.pw_gid)))}]"
+    wait_for(lambda: h.printed(f"{expected} {nobody.pw_dir} nobody"), "the child's ids in the log")
+    with open(f"/proc/{doc['child_pid']}/status") as f:
+        ids = {ln.split(":")[0]: ln.split()[1:] for ln in f if ln.startswith(("Uid:", "Gid:"))}
+    assert ids == {"Uid": [str(nobody.pw_uid)] * 4, "Gid": [str(nobody.pw_gid)] * 4}
+    with open(f"/proc/{doc['supervisor_pid']}/status") as f:
+        assert next(ln for ln in f if ln.startswith("Uid:")).split()[1:] == ["0"] * 4
+    assert h.log.stat().st_uid == 0 and h.state()["user"] == "nobody"
+    # the user is part of "the same command": the same argv as root is another command
+    again = h.sup(*cmd, "--", "/bin/sh", "-c", script, h.marker)
+    assert again.returncode == 3 and "different command" in again.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs a root supervisor")
+def test_user_reaches_the_supervisor_of_a_transient_unit(h: Harness, monkeypatch) -> None:
+    import pwd
+
+    launched = fake_systemd_run(h, monkeypatch)
+    r = h.sup("start", "--name", "eng", "--run-dir", str(h.run_dir), "--log", str(h.log), "--systemd", "yes",
+              "--user", "nobody", "--", "/bin/sh", "-c", "sleep 600", h.marker)
+    assert r.returncode == 0, r.stderr
+    args = launched.read_text().splitlines()
+    last_cut = len(args) - 1 - args[::-1].index("--")  # the unit's supervisor options end here, the command follows
+    assert args.index("run") < args.index("--user") < last_cut and args[args.index("--user") + 1] == "nobody"
+    with open(f"/proc/{json.loads(r.stdout)['child_pid']}/status") as f:
+        assert next(ln for ln in f if ln.startswith("Uid:")).split()[1] == str(pwd.getpwnam("nobody").pw_uid)
+
+
+@pytest.mark.parametrize(("user", "message"), [("root", "--user root: is root"),
+                                               ("no-such-user-kimi", "--user no-such-user-kimi: no such user")])
+def test_user_that_is_root_or_unknown_is_a_usage_error(h: Harness, user: str, message: str) -> None:
+    r = h.start(SLEEPER, "--user", user)
+    assert r.returncode == 2 and message in r.stderr and not h.marked_pids()
 
 
 def test_crashing_child_restarts_with_growing_backoff(h: Harness) -> None:
