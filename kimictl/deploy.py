@@ -14,7 +14,15 @@ from kimictl import health, state
 from kimictl.cluster_secrets import proxy_admin_key
 from kimictl.errors import HostError, InvalidInput, KimictlError, guide
 from kimictl.facts import engine_profile
-from kimictl.hostops import ROLLBACK_READY_TIMEOUT_S, Change, HostOps, Proc, compute_changes, desired_procs
+from kimictl.hostops import (
+    ROLLBACK_READY_TIMEOUT_S,
+    Change,
+    HostOps,
+    Proc,
+    compute_changes,
+    desired_procs,
+    installed_command,
+)
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import ENGINE_KEY_ENV, Rendered
@@ -137,6 +145,9 @@ class Deployer:
         procs = desired_procs(self.rendered, self.inv)
         observed = self.ops.observe()
         changes = compute_changes(procs, observed)
+        for c in changes:   # what a rollback would start again: only kimictl's own scripts, checked before any change
+            if c.action in ("replace", "stop") and c.old and c.old.get("cmd"):
+                c.old["cmd"] = installed_command(c.host, c.id, c.old["cmd"], self.inv.host(c.host).kimi_state_dir)
         todo = [c for c in changes if c.action != "keep"]
         if self.opts.check:
             return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "check")

@@ -126,6 +126,18 @@ def reported_states(host: str, records: Any) -> dict[str, dict[str, Any]]:
     return {st["name"]: st for st in records}
 
 
+def installed_command(host: str, pid: str, cmd: Any, state_dir: str) -> list[str]:
+    """The command a host reports for one of kimictl's processes, accepted only in the one shape kimictl installs
+    (`desired_procs`): bash running that process's own script in a release under the host's state dir. Deploy runs
+    it again when it rolls back; anything else a host reports is refused, never run."""
+    script = r"proxy/proxy\.sh" if pid == "proxy" else rf"engines/{re.escape(pid)}(\.container)?\.sh"
+    if (isinstance(cmd, list) and len(cmd) == 2 and cmd[0] == "bash" and isinstance(cmd[1], str)
+            and re.fullmatch(rf"{re.escape(state_dir)}/releases/{RELEASE.pattern}/{script}", cmd[1])):
+        return list(cmd)
+    raise HostError(f"supervisor.py status reported {pid}'s command as {reported(cmd)}, which kimictl never "
+                    "installs", host=host, step="observe")
+
+
 def observe(inv: Inventory, timeout: float = 15.0, accept_new_keys: bool = False,
             connect: Callable[..., Sessions] = Sessions) -> dict[str, HostObservation]:
     """What the supervisor on each host runs now, and where `current` points (one SSH round trip per host)."""

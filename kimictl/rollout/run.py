@@ -157,9 +157,8 @@ class Rollout:
                 drift.append(f"{proc.host}:{proc.id} (not running)")
             elif st.get("tag") != proc.tag:
                 drift.append(f"{proc.host}:{proc.id} (runs another release)")
-            elif proc.id == "proxy":
-                self.steps.proxy_proc = Proc(proc.host, "proxy", "proxy", str(st["tag"]), list(st["cmd"]),
-                                             proc.ip, proc.port, True, "proxy", proc.router)
+            elif proc.id == "proxy":   # runs the recorded release's files (same tag): its command is ours
+                self.steps.proxy_proc = proc
         if drift:
             raise HostError(f"the cluster does not run its recorded release {self.previous}: "
                             + ", ".join(drift[:6]), step="check",
@@ -261,9 +260,11 @@ class Rollout:
     # --- one batch -------------------------------------------------------------------------------------
 
     def _old_proc(self, host: str, pid: str, ep: Endpoint | None, role: str) -> Proc:
-        st = self.observed[host].states[pid]
-        return Proc(host, pid, "engine", str(st.get("tag") or ""), list(st["cmd"]), ep.ip if ep else "",
-                    ep.port if ep else 0, ep is not None, role)
+        """The process as the recorded release renders it (the check before the run found it running with that
+        release's tag): its command is rebuilt here, never taken from what the host reports."""
+        proc = next(p for p in desired_procs(self.old, self.inv) if p.host == host and p.id == pid)
+        return Proc(host, pid, "engine", proc.tag, proc.cmd, ep.ip if ep else "", ep.port if ep else 0,
+                    ep is not None, role)
 
     def _procs(self, s: Slice, release: str) -> list[Proc]:
         if release == "new":

