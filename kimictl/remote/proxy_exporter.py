@@ -13,14 +13,18 @@ scrape:
   a Prometheus on another host can scrape every copy (a router without metrics: an empty answer while the copy
   answers its membership API, so the target's `up` still says whether the copy runs).
 
+Each connection is served within --handler-timeout (then closed, however its client trickles), and at most
+--max-clients at once: one more gets 503 at once (a scrape is a few requests every few seconds).
 Runs on the hosts' python3 (3.9 or newer).
 """
 
 import argparse
+import contextlib
 import http.server
 import json
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -28,6 +32,9 @@ import urllib.error
 import urllib.request
 
 ROUTER_PATH = re.compile(r"^/router/(\d+)/metrics$")
+BUSY_TEXT = b"too many clients at once; retry\n"
+BUSY = (b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: %d\r\nRetry-After: 1\r\n"
+        b"Connection: close\r\n\r\n%s" % (len(BUSY_TEXT), BUSY_TEXT))
 WORKER_TYPES = ("prefill", "decode")
 
 
@@ -175,6 +182,57 @@ def handler_for(exporter):
     return Handler
 
 
+class Server(http.server.ThreadingHTTPServer):
+    """A thread per connection, at most `max_clients` of them (one more is answered 503 and closed at once), each
+    connection closed `deadline` seconds after it was accepted, whatever it is doing then."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_clients, deadline):
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_clients)
+        self.deadline = deadline
+        self.refused, self.logged_at = 0, 0.0
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            self.refuse(request)
+            return
+        cut = threading.Timer(self.deadline, self.cut, (request,))
+        cut.daemon = True
+
+        def serve():
+            try:
+                cut.start()
+                self.process_request_thread(request, client_address)
+            finally:
+                cut.cancel()
+                self.slots.release()
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    @staticmethod
+    def cut(request):
+        """The deadline: whatever the handler waits for on this connection ends now."""
+        with contextlib.suppress(OSError):
+            request.shutdown(socket.SHUT_RDWR)
+
+    def refuse(self, request):
+        self.refused += 1
+        if time.monotonic() - self.logged_at >= 60:  # a flood costs a line a minute
+            log(f"{self.refused} connection(s) refused so far: already serving the most clients at once")
+            self.logged_at = time.monotonic()
+        with contextlib.suppress(OSError):
+            request.setblocking(False)  # never wait on this client: answer what fits, read what came, close
+            request.send(BUSY)
+            while request.recv(65536):
+                pass
+        self.shutdown_request(request)
+
+    def handle_error(self, request, client_address):  # a client cut or gone: no traceback
+        pass
+
+
 def router_ports(value):
     port, _, metrics = value.partition(":")
     if not (port.isdigit() and metrics.isdigit()):
@@ -192,16 +250,21 @@ def parser():
     p.add_argument("--membership", choices=sorted(MEMBERSHIP), default="workers",
                    help="the router kind's membership API (vllm-router: workers; vllm-ascend-proxy: instances)")
     p.add_argument("--no-router-metrics", action="store_true", help="the router copies have no metrics port")
+    p.add_argument("--handler-timeout", type=float, default=10.0,
+                   help="seconds a connection is served at most, from its accept (then closed)")
+    p.add_argument("--max-clients", type=int, default=16, help="connections served at once; one more gets 503")
     return p
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
+    if not (args.handler_timeout > 0 and args.max_clients > 0):
+        parser().error("--handler-timeout and --max-clients must be positive")
     host, _, port = args.listen.rpartition(":")
-    server = http.server.ThreadingHTTPServer((host, int(port)),
-                                             handler_for(Exporter(args.front_port, args.router, args.timeout,
-                                                                  args.membership, not args.no_router_metrics)))
-    server.daemon_threads = True
+    handler = handler_for(Exporter(args.front_port, args.router, args.timeout, args.membership,
+                                   not args.no_router_metrics))
+    handler.timeout = args.handler_timeout  # each read and write on the connection, within the deadline below
+    server = Server((host, int(port)), handler, args.max_clients, args.handler_timeout)
 
     def stop(*_):
         threading.Thread(target=server.shutdown, daemon=True).start()

@@ -17,11 +17,20 @@ the front checks its copies with and what the proxy port's `GET /health` asks.
 
 Limits against abusive clients: a connection cap (a connection over it waits QUEUE_WAIT seconds for a slot, an idle
 keep-alive connection giving up its own, then gets 503; with MAX_QUEUED waiting, new ones wait in the kernel's
-backlog), the request head within --header-timeout, no body byte (or no response byte taken) for --io-timeout ends
-the connection (408), keep-alive connections close after --idle-timeout, bodies over --max-body get 413, chunked
-request bodies 411, log lines are rate-limited. Bodies stream through to the router; one of up to RESEND_MAX bytes
-is kept until answered, so that a request a router dropped unanswered (a copy shutting down) is sent once more to
-another copy; a larger one gets 502 then.
+backlog), at most --max-conns-per-client connections from one address (an IPv6 /64) that have not shown a key (a
+valid client or admin key; on a front without --api-key-file, every connection counts), so a client without the key
+cannot take every slot (more get 503), the request head within --header-timeout and the whole request, head and
+body, within --request-timeout from its first byte, however it trickles (408), no body byte (or no response byte
+taken) for --io-timeout ends the connection (408), keep-alive connections close after --idle-timeout, bodies over
+--max-body get 413, chunked request bodies 411, log lines are rate-limited. The key is checked on the request head:
+a request without it gets its 401 (403 on the admin paths) and its connection ends; its body is never read (what the
+client sends on is dropped for LINGER seconds at most, so that the answer is not lost to a reset). The keyless
+`GET /health` (open as vLLM's own --api-key leaves it, for load balancers and kimictl's probes) takes no body (400)
+and is answered within --request-timeout (504). The client's credentials (Authorization, Proxy-Authorization,
+X-Api-Key) never reach the routers: the front checks the keys, and the routers send the engines a key of their own
+(vllm-ascend's proxy: OPENAI_API_KEY from its environment).
+Bodies stream through to the router; one of up to RESEND_MAX bytes is kept until answered, so that a request a
+router dropped unanswered (a copy shutting down) is sent once more to another copy; a larger one gets 502 then.
 With --watch URL, routers that learn the prefill engines' ids once, at their start (vllm-router asks Mooncake
 bootstrap servers), are restarted the same way when the engine ids those URLs list change (a prefill engine
 restarted under a new id); the state file tells what the routers know meanwhile.
@@ -32,6 +41,7 @@ import argparse
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
@@ -49,6 +59,7 @@ HOLD_MAX = 3600.0  # seconds a hold lasts at most (a kimictl that died holding a
 TOKEN_RE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 CTL_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but TAB: never in a request head line
 DEFAULT_CLIENT_PATHS = ("/v1/*", "/health")
+CREDENTIALS = (b"authorization", b"proxy-authorization", b"x-api-key")  # checked here, never forwarded
 MAX_HEADER = 64 * 1024
 COPY_CHUNK = 256 * 1024
 RESEND_MAX = 1024 * 1024  # bodies up to this size are kept until answered, to send them again after a drop
@@ -171,12 +182,15 @@ class Request:
         if len(lengths) > 1 or any(not v.isdigit() or len(v) > 18 for v in lengths):
             raise HttpError(400, "Bad Request", "bad Content-Length")
         self.length = int(next(iter(lengths))) if lengths else 0
+        self.keyed = False  # a valid client or admin key came with it (set by Front.command and Front.route)
+        self.open_health = False  # the keyless GET /health (set by Front.route)
         tokens = b",".join(self.fields.get(b"connection", [])).lower()
         self.closing = b"close" in tokens or (self.version == b"HTTP/1.0" and b"keep-alive" not in tokens)
         # Answered here (before the body is read), so the router must not see it.
         self.expects_continue = any(v.lower() == b"100-continue" for v in self.fields.get(b"expect", []))
-        if self.expects_continue:
-            self.headers = [h for h in self.headers if h.partition(b":")[0].lower() != b"expect"]
+        # The client's credentials are the front's to check: the routers never see them.
+        drop = CREDENTIALS + ((b"expect",) if self.expects_continue else ())
+        self.headers = [h for h in self.headers if h.partition(b":")[0].lower() not in drop]
 
     def header(self, name):
         values = self.fields.get(name)
@@ -232,14 +246,34 @@ class Upstream:
             self.writer.close()
 
 
+class Client:
+    """A client connection as the per-address cap sees it: its address, the key the cap counts it under (the
+    address; an IPv6 one's /64, what one host usually has), and whether it is still counted (no key shown yet)."""
+
+    def __init__(self, peer):
+        self.peer, self.who, self.counted = peer, client_of(peer), False
+
+
+def client_of(peer):
+    try:
+        ip = ipaddress.ip_address(peer.partition("%")[0])
+    except ValueError:
+        return peer
+    if ip.version == 6 and ip.ipv4_mapped:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.ip_network(f"{ip}/64", strict=False)) if ip.version == 6 else str(ip)
+
+
 class Session:
     """One client connection, served a request at a time. The upstream connection may change between requests (a
     router that shuts down closes it), so a router restart never reaches a client between two requests."""
 
-    def __init__(self, front, reader, writer, peer):
+    def __init__(self, front, reader, writer, client):
         self.front, self.args = front, front.args
-        self.reader, self.writer, self.peer = reader, writer, peer
+        self.reader, self.writer, self.client, self.peer = reader, writer, client, client.peer
         self.up = None
+        self.deadline = 0.0  # monotonic time by which the current request's head and body must have arrived
+        self.replied = False  # a byte of the answer to the current request went to the client
 
     async def run(self):
         try:
@@ -247,18 +281,25 @@ class Session:
                 req = await self.read_request()
                 if req is None:
                     break
+                self.replied = False
                 reply = self.front.command(req)
+                index, target = (None, None) if reply is not None else self.front.route(req)
+                if req.keyed:  # a connection that showed a key no longer counts against its address
+                    self.front.uncount(self.client)
                 if reply is not None:  # the front's own admin command, answered here
                     await self.send(reply)
                     if req.closing:
                         break
                     continue
-                index, target = self.front.route(req)
                 if req.length > self.args.max_body:
                     raise HttpError(413, "Content Too Large", f"request body over {self.args.max_body} bytes")
                 if req.expects_continue:
                     await self.send(b"HTTP/1.1 100 Continue\r\n\r\n")
-                if not await self.exchange(req, index, target) or req.closing:
+                if req.open_health:
+                    keep = await self.keyless_exchange(req, index, target)
+                else:
+                    keep = await self.exchange(req, index, target)
+                if not keep or req.closing:
                     break
         except HttpError as exc:
             warn(f"client {exc.code}", f"client {self.peer}: {exc.code} {exc.text}")
@@ -291,6 +332,7 @@ class Session:
 
     async def send(self, data):
         """To the client; one that takes no byte for --io-timeout is dropped (asyncio.TimeoutError)."""
+        self.replied = True
         self.writer.write(data)
         await asyncio.wait_for(self.writer.drain(), self.args.io_timeout)
 
@@ -306,11 +348,12 @@ class Session:
             self.front.idle.pop(self, None)
         if not first:
             return None
+        self.deadline = time.monotonic() + self.args.request_timeout
+        limit = min(self.args.header_timeout, self.args.request_timeout)
         try:
-            rest = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), self.args.header_timeout)
+            rest = await asyncio.wait_for(self.reader.readuntil(b"\r\n\r\n"), limit)
         except asyncio.TimeoutError:
-            raise HttpError(408, "Request Timeout",
-                            f"the request head did not arrive within {self.args.header_timeout:g}s") from None
+            raise HttpError(408, "Request Timeout", f"the request head did not arrive within {limit:g}s") from None
         except asyncio.IncompleteReadError:
             raise HttpError(400, "Bad Request", "incomplete request") from None
         except asyncio.LimitOverrunError:
@@ -318,10 +361,17 @@ class Session:
         return Request((first + rest)[:-4])
 
     async def read_some(self, n):
-        """Up to n body bytes from the client, who must send one within --io-timeout."""
+        """Up to n body bytes from the client, who must send one within --io-timeout, and the whole request by its
+        deadline (--request-timeout)."""
+        left = self.deadline - time.monotonic()
         try:
-            chunk = await asyncio.wait_for(self.reader.read(min(n, COPY_CHUNK)), self.args.io_timeout)
+            if left <= 0:
+                raise asyncio.TimeoutError()
+            chunk = await asyncio.wait_for(self.reader.read(min(n, COPY_CHUNK)), min(left, self.args.io_timeout))
         except asyncio.TimeoutError:
+            if left <= self.args.io_timeout:
+                raise HttpError(408, "Request Timeout", "the request did not arrive whole within "
+                                f"{self.args.request_timeout:g}s of its first byte") from None
             raise HttpError(408, "Request Timeout",
                             f"no byte of the request body for {self.args.io_timeout:g}s") from None
         if not chunk:
@@ -342,6 +392,18 @@ class Session:
             finally:
                 self.front.kept -= req.length
         return await self.forward(req, index, head, None)
+
+    async def keyless_exchange(self, req, index, target):
+        """The keyless GET /health (no body), answered by the request's deadline or ended: 504 when nothing of
+        the answer went out yet."""
+        try:
+            return await asyncio.wait_for(self.exchange(req, index, target),
+                                          max(0.0, self.deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            if self.replied:
+                return False
+            raise HttpError(504, "Gateway Timeout", "no answer to the keyless request within "
+                            f"{self.args.request_timeout:g}s") from None
 
     async def forward(self, req, index, head, body):
         """body None: stream the client's body through (no second chance if the router drops the request)."""
@@ -518,6 +580,7 @@ class Front:
         self.cap = connection_cap(args.max_connections)
         self.active = 0  # client connections being served
         self.queued = 0  # client connections waiting for a slot (or in the lingering close of their 503)
+        self.untrusted = {}  # client address (Client.who) -> its connections that have shown no key yet
         self.freed = asyncio.Event()  # set (and replaced) whenever a slot or a place in the queue frees
         self.idle = {}  # session -> since when it waits for its next request (oldest first)
         self.kept = 0  # bytes of request bodies kept for a second attempt
@@ -679,6 +742,7 @@ class Front:
             return None
         if not self.admin_key.matches(req.bearer()):
             raise HttpError(403, "Forbidden", "router admin paths need the admin key")
+        req.keyed = True
         if req.method != b"POST" or req.length:
             raise HttpError(405, "Method Not Allowed", "POST, without a body")
         index, verb = int(m.group(1)), m.group(2)
@@ -716,15 +780,22 @@ class Front:
         if m:
             if not self.admin_key.matches(req.bearer()):
                 raise HttpError(403, "Forbidden", "router admin paths need the admin key")
+            req.keyed = True
             return int(m.group(1)), (m.group(2) or b"/") + q + query
         if not any(plain.startswith(p) if prefix else plain == p for p, prefix in self.client_paths):
             raise HttpError(404, "Not Found", "not a client path of this proxy ("
                             + ", ".join(p.decode() + ("*" if prefix else "") for p, prefix in self.client_paths) + ")")
         open_health = req.method in (b"GET", b"HEAD") and plain == b"/health"  # as vLLM's own --api-key leaves it
-        if open_health and self.health != b"/health":
-            return None, self.health  # the proxy port's /health asks the router's own health check
-        if self.client_key and not open_health and not self.client_key.matches(req.bearer()):
-            raise HttpError(401, "Unauthorized", "missing or wrong API key (Authorization: Bearer ...)")
+        if open_health:
+            if req.length:  # no body byte is read for a request that needs no key
+                raise HttpError(400, "Bad Request", "GET /health takes no body")
+            req.open_health = True
+            # the proxy port's /health asks the router's own health check
+            return None, (req.target if self.health == b"/health" else self.health)
+        if self.client_key:
+            if not self.client_key.matches(req.bearer()):
+                raise HttpError(401, "Unauthorized", "missing or wrong API key (Authorization: Bearer ...)")
+            req.keyed = True
         return None, req.target
 
     def keep_body(self, n):
@@ -759,10 +830,12 @@ class Front:
         raise HttpError(503, "Service Unavailable", "no router is up")
 
     async def accept_loop(self, lsock):
-        """Accept one connection at a time. Under the cap it is served; over it, it waits for a slot (QUEUE_WAIT,
-        an idle keep-alive connection giving up its own), then is served or gets 503. With MAX_QUEUED waiting,
-        nothing is accepted: new connections wait in the kernel's backlog. File descriptors stay bounded however
-        many connections arrive."""
+        """Accept one connection at a time. With a slot free and a place for its address (fewer than
+        --max-conns-per-client of its connections have shown no key), it is served; else it waits for both
+        (QUEUE_WAIT, an idle keep-alive connection giving up its own), then is served or gets 503. With
+        MAX_QUEUED waiting, nothing is accepted while the slots are full (new connections wait in the kernel's
+        backlog), and a connection with no place for its address gets its 503 at once. File descriptors stay
+        bounded however many connections arrive."""
         loop = asyncio.get_running_loop()
         while True:
             while self.active >= self.cap and self.queued >= MAX_QUEUED:
@@ -773,13 +846,50 @@ class Front:
                 warn("accept", f"cannot accept a connection: {exc}")
                 await asyncio.sleep(0.5)
                 continue
-            peer = addr[0] if isinstance(addr, tuple) else str(addr)
-            if self.active < self.cap:
-                self.active += 1
-                self.spawn(self.serve(sock, peer))
-            else:
+            client = Client(addr[0] if isinstance(addr, tuple) else str(addr))
+            if self.admit(client):
+                self.spawn(self.serve(sock, client))
+            elif self.queued < MAX_QUEUED:
                 self.queued += 1
-                self.spawn(self.wait_for_slot(sock, peer))
+                self.spawn(self.wait_for_slot(sock, client))
+            else:  # the slots are not full: the queue is, with connections of addresses at their cap
+                text = self.refusal(client)
+                with contextlib.suppress(OSError):  # no lingering close: read what came, so that no reset
+                    sock.send(response(503, "Service Unavailable", text, "Retry-After: 1\r\n"))
+                    sock.shutdown(socket.SHUT_WR)
+                    while sock.recv(COPY_CHUNK):
+                        pass
+                sock.close()
+
+    def admit(self, client):
+        """Take a slot, and a place for the client's address, when both are free."""
+        if self.active >= self.cap or self.untrusted.get(client.who, 0) >= self.args.max_conns_per_client:
+            return False
+        self.active += 1
+        self.untrusted[client.who] = self.untrusted.get(client.who, 0) + 1
+        client.counted = True
+        return True
+
+    def uncount(self, client):
+        """The connection no longer counts against its address: it showed a key, or it is gone."""
+        if client.counted:
+            client.counted = False
+            left = self.untrusted[client.who] - 1
+            if left:
+                self.untrusted[client.who] = left
+            else:
+                del self.untrusted[client.who]
+            self.notify()
+
+    def refusal(self, client):
+        """The 503's text for a connection that got no slot, or no place for its address (logged)."""
+        if self.active >= self.cap:
+            warn("connection cap", f"client {client.peer}: 503, the front serves {self.active} connections (its cap)")
+            return f"the proxy is at its connection limit ({self.cap}); retry"
+        warn("client cap", f"client {client.peer}: 503, {self.args.max_conns_per_client} connections from "
+                           f"{client.who} have shown no key")
+        return (f"too many connections from {client.who} that have shown no API key "
+                f"({self.args.max_conns_per_client}); retry")
 
     def spawn(self, coro):
         task = asyncio.ensure_future(coro)
@@ -791,42 +901,42 @@ class Front:
         self.freed.set()
         self.freed = asyncio.Event()
 
-    def evict_idle(self):
-        """The connection idle longest between two requests, when idle EVICT_IDLE_AFTER or more, is closed (a
-        keep-alive connection may be closed at any time; its client opens a new one)."""
-        if self.idle:
-            session, since = next(iter(self.idle.items()))
+    def evict_idle(self, who=None):
+        """The connection idle longest between two requests (who: of those from that address that have shown no
+        key), when idle EVICT_IDLE_AFTER or more, is closed (a keep-alive connection may be closed at any time;
+        its client opens a new one)."""
+        found = next(((s, t) for s, t in self.idle.items()
+                      if who is None or (s.client.who == who and s.client.counted)), None)
+        if found:
+            session, since = found
             if time.monotonic() - since >= EVICT_IDLE_AFTER:
                 del self.idle[session]
+                self.uncount(session.client)
                 session.writer.close()
 
-    async def wait_for_slot(self, sock, peer):
-        """A connection over the cap (counted in self.queued until served or refused)."""
+    async def wait_for_slot(self, sock, client):
+        """A connection with no slot or no place for its address (counted in self.queued until served or
+        refused)."""
         admitted = False
         try:
             deadline = time.monotonic() + QUEUE_WAIT
-            while self.active >= self.cap and time.monotonic() < deadline:
-                self.evict_idle()
+            while not (admitted := self.admit(client)) and time.monotonic() < deadline:
+                self.evict_idle(None if self.active >= self.cap else client.who)
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.freed.wait(), min(0.2, max(0.0, deadline - time.monotonic())))
-            if self.active < self.cap:
-                self.active += 1
-                admitted = True
-            else:
-                await self.refuse(sock, peer)
+            if not admitted:
+                await self.refuse(sock, self.refusal(client))
         finally:
             self.queued -= 1
             self.notify()
         if admitted:
-            await self.serve(sock, peer)
+            await self.serve(sock, client)
 
-    async def refuse(self, sock, peer):
+    async def refuse(self, sock, text):
         """503, then a lingering close (see Session.linger)."""
-        warn("connection cap", f"client {peer}: 503, the front serves {self.active} connections (its cap)")
         loop = asyncio.get_running_loop()
         try:
-            sock.send(response(503, "Service Unavailable", f"the proxy is at its connection limit ({self.cap}); "
-                               "retry", "Retry-After: 1\r\n"))
+            sock.send(response(503, "Service Unavailable", text, "Retry-After: 1\r\n"))
             sock.shutdown(socket.SHUT_WR)
             deadline = time.monotonic() + LINGER
             while await asyncio.wait_for(loop.sock_recv(sock, COPY_CHUNK), max(0.0, deadline - time.monotonic())):
@@ -836,7 +946,7 @@ class Front:
         finally:
             sock.close()
 
-    async def serve(self, sock, peer):
+    async def serve(self, sock, client):
         """Serve one accepted connection (its slot already counted in self.active)."""
         try:
             try:
@@ -844,8 +954,9 @@ class Front:
             except OSError:
                 sock.close()
                 return
-            await Session(self, reader, writer, peer).run()
+            await Session(self, reader, writer, client).run()
         finally:
+            self.uncount(client)
             self.active -= 1
             self.notify()
 
@@ -997,6 +1108,12 @@ def parser():
     run.add_argument("--max-body", type=positive(int), default=256 * 2**20, help="request body limit in bytes (413)")
     run.add_argument("--header-timeout", type=positive(float), default=10.0,
                      help="seconds for a request head, from its first byte (408)")
+    run.add_argument("--request-timeout", type=positive(float), default=120.0,
+                     help="seconds for a whole request, head and body, from its first byte, however it trickles "
+                          "(408); a keyless GET /health is answered within it too (504)")
+    run.add_argument("--max-conns-per-client", type=positive(int), default=64,
+                     help="connections from one client address (an IPv6 /64) that have not shown a valid key (on a "
+                          "front without --api-key-file: every connection); more get 503")
     run.add_argument("--io-timeout", type=positive(float), default=30.0,
                      help="seconds without a byte of a request body (408), or without the client taking a byte of "
                           "its response (dropped)")

@@ -192,6 +192,44 @@ def test_proxy_exporter_reads_the_upstream_proxys_instances(procs):
     assert m[("kimi_proxy_router_workers", (("router", "0"), ("worker_type", "decode")))] == 1
 
 
+def test_proxy_exporter_cuts_slow_clients_and_refuses_past_its_cap(procs):
+    """Clients that trickle a request hold a connection for --handler-timeout at most, and past --max-clients at
+    once one more gets 503 at once (a flood of slow clients costs neither unbounded threads nor a scrape forever)."""
+    import contextlib
+    import select
+
+    port, dead = free_port(), (free_port(), free_port())
+    e_proc, e_log = procs([HOST_PY, proxy_exporter.__file__, "--listen", f"127.0.0.1:{port}", "--front-port",
+                           str(free_port()), "--router", f"{dead[0]}:{dead[1]}", "--timeout", "0.2",
+                           "--handler-timeout", "1", "--max-clients", "2"], "exporter")
+    wait_http(f"http://127.0.0.1:{port}/", e_proc, e_log)
+    slow = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(2)]
+    try:
+        for s in slow:
+            s.sendall(b"GET /metr")
+        time.sleep(0.3)  # both accepted: every slot is held
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        assert got.startswith(b"HTTP/1.0 503") and b"Retry-After: 1" in got
+        # One byte every 0.1 s never trips a per-read timeout; the connection's deadline ends it.
+        for s in slow:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not select.select([s], [], [], 0.1)[0]:
+                with contextlib.suppress(OSError):
+                    s.send(b"i")
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(65536) == b""  # closed without an answer (not a timeout: it was readable)
+        code, text = get(f"http://127.0.0.1:{port}/metrics")
+        assert code == 200 and samples(text)[("kimi_proxy_front_up", ())] == 0
+        assert e_proc.poll() is None and "Traceback" not in e_log.read_text()
+    finally:
+        for s in slow:
+            s.close()
+
+
 def test_proxy_exporter_reads_vllm_router_workers_shape():
     # GET /workers of vllm-router 0.1.17 in P/D mode (measured), and answers that are not that shape.
     body = json.dumps({"workers": [

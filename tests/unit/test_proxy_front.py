@@ -472,6 +472,159 @@ def test_a_flood_under_a_low_file_limit_keeps_the_front_serving_and_its_log_smal
         f.stop()
 
 
+# --- clients without the key: no body read, a deadline per request, a cap per address, no credential forwarded ----
+
+
+def connect(f: Front, source: str = "127.0.0.1", timeout: float = 30) -> socket.socket:
+    """A connection to the front from `source` (any 127.x address is this host's loopback)."""
+    return socket.create_connection(("127.0.0.1", f.port), timeout=timeout, source_address=(source, 0))
+
+
+def trickle(s: socket.socket, first: bytes, seconds: float = 30.0, stop: threading.Event | None = None) -> bytes:
+    """Send `first`, then one byte every 0.1 s until the front answers (or `seconds` pass, or `stop` is set): what
+    it answered."""
+    import select
+
+    s.sendall(first)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not (stop and stop.is_set()):
+        if select.select([s], [], [], 0.1)[0]:
+            return read_all(s)
+        try:
+            s.send(b"a")
+        except OSError:
+            break
+    if stop and stop.is_set():
+        return b""
+    try:
+        return read_all(s)
+    except OSError:
+        return b""
+
+
+def test_keyless_slow_clients_cannot_starve_a_keyed_client(tmp_path: Path) -> None:
+    """Finding 3 of issue 27: clients without the key, as many as the front has slots, trickling a request head or
+    the body of a keyless GET /health (one byte at a time, reconnecting when cut), from one address; the keyed
+    client on another address is served every time (it got 503 while they held every slot)."""
+    f = Front(tmp_path, routers=1, extra=["--max-connections", "4", "--max-conns-per-client", "2",
+                                          "--header-timeout", "60", "--request-timeout", "60"])
+    stop = threading.Event()
+    answers: list[bytes] = []
+
+    def loris(first: bytes) -> None:
+        while not stop.is_set():
+            try:
+                with connect(f, "127.0.0.2") as s:
+                    answers.append(trickle(s, first, seconds=60, stop=stop)[:400])
+            except OSError:
+                pass
+            time.sleep(0.05)
+
+    patterns = [b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: ",  # a head that never ends
+                b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\n"]  # a keyless body
+    threads = [threading.Thread(target=loris, args=(patterns[i % 2],)) for i in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # every slow client has connected (on the old front they held all 4 slots)
+        for _ in range(5):
+            assert f.request("POST", "/v1/completions", {"prompt": "x"})[0] == 200
+            time.sleep(0.2)
+        assert f.request("GET", "/health", key=None)[0] == 200  # the keyless health check still answers
+        stop.set()
+        for t in threads:
+            t.join(90)
+        # Each slow client was cut: a keyless body is never read (400), and past two the address is refused (503).
+        assert {a[:12] for a in answers if a} <= {b"HTTP/1.1 400", b"HTTP/1.1 503"}, answers
+        assert any(b"too many connections from 127.0.0.2" in a for a in answers)
+        assert "Traceback" not in f.log_path.read_text()
+    finally:
+        stop.set()
+        f.stop()
+
+
+def test_keyed_connections_do_not_count_against_their_address(tmp_path: Path) -> None:
+    """A load balancer's address carries many keyed connections: only connections that have shown no key count
+    against --max-conns-per-client; and one of those idle since it connected gives its place to a new one."""
+    f = Front(tmp_path, routers=1, extra=["--max-conns-per-client", "2", "--header-timeout", "60"])
+    held: list[socket.socket] = []
+    conns = [http.client.HTTPConnection("127.0.0.1", f.port, timeout=30) for _ in range(5)]
+    try:
+        for c in conns:  # five keep-alive connections with the key, all open at once
+            assert f.request("POST", "/v1/completions", {"prompt": "x"}, conn=c)[0] == 200
+        for c in conns:
+            assert f.request("POST", "/v1/completions", {"prompt": "y"}, conn=c)[0] == 200
+        # Two connections from one address that never send a byte: once idle a while, a third one takes the place
+        # of the one idle longest.
+        held = [connect(f, "127.0.0.3") for _ in range(2)]
+        time.sleep(1.5)  # EVICT_IDLE_AFTER
+        with connect(f, "127.0.0.3") as s:
+            s.sendall(head("/health", "GET", key=None))
+            assert read_all(s).startswith(b"HTTP/1.1 200")
+        assert read_all(held[0]) == b""  # the oldest was closed
+        # Two that are busy sending a head are not idle: a third one from their address gets 503.
+        held[1].close()
+        held = [connect(f, "127.0.0.4") for _ in range(2)]
+        for s in held:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+        with connect(f, "127.0.0.4") as s:
+            got = read_all(s)
+        assert got.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in got
+        assert b"from 127.0.0.4 that have shown no API key" in got
+        assert f.request("POST", "/v1/completions", {"prompt": "z"})[0] == 200  # other addresses are served
+    finally:
+        for c in conns:
+            c.close()
+        for s in held:
+            s.close()
+        f.stop()
+
+
+def test_a_request_without_the_key_gets_no_body_read(front: Front) -> None:
+    """The key is checked on the head: the answer comes, and the connection ends, before any body byte is sent."""
+    for data in (head(key=None, length=1 << 20),  # 1 MiB announced, not one byte of it sent
+                 head(key="wrong", length=1 << 20, extra="Expect: 100-continue\r\n"),
+                 head("/kimictl/router/0/workers", key=KEY, length=1 << 20)):
+        with socket.create_connection(("127.0.0.1", front.port), timeout=15) as s:
+            s.sendall(data)
+            got = read_all(s)  # the front closes: it waits for no body
+        assert got.startswith((b"HTTP/1.1 401", b"HTTP/1.1 403")) and b"100 Continue" not in got, got[:80]
+    # The keyless GET /health takes no body at all (it was read, up to 1 MiB, one byte per --io-timeout).
+    with socket.create_connection(("127.0.0.1", front.port), timeout=15) as s:
+        s.sendall(head("/health", "GET", key=None, length=1 << 20))
+        got = read_all(s)
+    assert got.startswith(b"HTTP/1.1 400") and b"takes no body" in got
+    assert front.request("GET", "/health", key=None)[0] == 200
+
+
+def test_a_trickling_client_is_cut_at_the_request_deadline(tmp_path: Path) -> None:
+    """One byte every 0.1 s never trips --header-timeout or --io-timeout (30 s); --request-timeout (1 s) ends it."""
+    f = Front(tmp_path, routers=1, extra=["--request-timeout", "1", "--header-timeout", "30", "--io-timeout", "30"])
+    try:
+        cases = {"a head": b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: ",
+                 "a small body": head(length=1000),
+                 "a streamed body": head(length=3 << 20) + b"{" * (2 << 20)}
+        for what, first in cases.items():
+            with socket.create_connection(("127.0.0.1", f.port), timeout=30) as s:
+                got = trickle(s, first)
+            assert got.startswith(b"HTTP/1.1 408") and b"within 1s" in got, (what, got[:200])
+        assert f.request("POST", "/v1/completions", {"prompt": "x"})[0] == 200  # a prompt request is in time
+        assert "Traceback" not in f.log_path.read_text()
+    finally:
+        f.stop()
+
+
+def test_the_routers_never_see_the_clients_credentials(front: Front) -> None:
+    """The front checks the keys; the routers send the engines their own (vllm-ascend's proxy: OPENAI_API_KEY)."""
+    code, doc = front.request("GET", "/v1/whoami")
+    assert code == 200 and doc["auth"] is None
+    got = front.raw(head("/v1/whoami", "GET", extra="X-Api-Key: k-other\r\nProxy-Authorization: Basic eDp5\r\n"))
+    doc = json.loads(got.partition(b"\r\n\r\n")[2])
+    assert got.startswith(b"HTTP/1.1 200") and doc["auth"] is doc["x_api_key"] is doc["proxy_auth"] is None
+    code, doc = front.request("GET", "/kimictl/router/0/whoami", key=ADMIN)  # nor the admin key
+    assert code == 200 and doc["auth"] is None
+
+
 def test_rate_limited_log_counts_what_it_leaves_out(capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util

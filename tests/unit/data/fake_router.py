@@ -1,8 +1,8 @@
 """A stand-in for vllm-router in the proxy front's tests: parses the flags the front gives it (the last one wins,
-like argparse), answers /health, /healthcheck (with its argv), /workers, /whoami and /v1/completions (slowly with
-?slow, streamed with "stream": true), drops a worker on `POST /remove_worker?url=` (vllm-router's admin API) or
-`POST /instances/remove` (vllm-ascend's proxy's), and on SIGTERM stops listening and finishes in-flight requests,
-as vllm-router does.
+like argparse), answers /health, /healthcheck (with its argv), /workers, /whoami and /v1/whoami (the credential
+headers it got) and /v1/completions (slowly with ?slow, streamed with "stream": true), drops a worker on
+`POST /remove_worker?url=` (vllm-router's admin API) or `POST /instances/remove` (vllm-ascend's proxy's), and on
+SIGTERM stops listening and finishes in-flight requests, as vllm-router does.
 With FAKE_ROUTER_FAIL_FILE set and that file present it exits at once (a router that cannot start); with
 FAKE_ROUTER_DROP_EVERY=N it closes a keep-alive connection without an answer on every Nth request (the race of a
 router closing an idle connection just as a request arrives)."""
@@ -62,9 +62,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
                              "argv": sys.argv[1:]})
         elif self.path == "/workers":
             self.reply(200, {"workers": [{"url": u, "worker_type": "prefill"} for u in WORKERS]})
-        elif self.path.startswith("/whoami"):
+        elif self.path.startswith(("/whoami", "/v1/whoami")):
             self.reply(200, {"port": args.port, "pid": os.getpid(), "path": self.path,
-                             "auth": self.headers.get("Authorization")})
+                             "auth": self.headers.get("Authorization"), "x_api_key": self.headers.get("X-Api-Key"),
+                             "proxy_auth": self.headers.get("Proxy-Authorization")})
         else:
             self.reply(404, {"error": self.path})
 
