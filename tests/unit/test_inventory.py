@@ -18,6 +18,19 @@ def _write(tmp_path: Path, text: str) -> Path:
     return p
 
 
+def _ansible_hostvars(path: Path, tmp_path: Path) -> dict:
+    """Every host's vars as ansible-inventory itself reads the file."""
+    import json
+    import subprocess
+    import sys
+
+    tool = Path(sys.executable).with_name("ansible-inventory")
+    out = subprocess.run([str(tool), "-i", str(path), "--list"], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin", "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
+                              "HOME": str(tmp_path)})
+    return json.loads(out.stdout)["_meta"]["hostvars"]
+
+
 def test_examples_load() -> None:
     for name in ("a3-pd", "a2-pd", "a3-colocated", "a2-colocated"):
         inv = load_inventory(ROOT / "inventories" / f"{name}.yml")
@@ -136,16 +149,8 @@ def test_sibling_group_precedence_matches_ansible_inventory(tmp_path: Path) -> N
     """Groups at the same depth: higher ansible_group_priority wins, then the later name; a deeper group wins over
     both; a group listed under two parents takes the deeper depth and both parents' vars. Checked against
     ansible-inventory itself."""
-    import json
-    import subprocess
-    import sys
-
     path = _write(tmp_path, SIBLINGS)
-    tool = Path(sys.executable).with_name("ansible-inventory")
-    out = subprocess.run([str(tool), "-i", str(path), "--list"], capture_output=True, text=True, check=True,
-                         env={"PATH": "/usr/bin:/bin", "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
-                              "HOME": str(tmp_path)})
-    want = json.loads(out.stdout)["_meta"]["hostvars"]
+    want = _ansible_hostvars(path, tmp_path)
     inv = load_inventory(path)
     got = {h.name: {**h.ansible_vars, **h.model_dump(exclude={"name", "ansible_vars"}, exclude_none=True)}
            for h in inv.hosts}
@@ -203,16 +208,8 @@ all:
 def test_yaml_merge_keys_read_the_way_ansible_reads_them(tmp_path: Path) -> None:
     """`<<: *defaults` merges a mapping and a key written beside it wins; a list of merges as Ansible reads it.
     Checked against ansible-inventory itself."""
-    import json
-    import subprocess
-    import sys
-
     path = _write(tmp_path, MERGED)
-    tool = Path(sys.executable).with_name("ansible-inventory")
-    out = subprocess.run([str(tool), "-i", str(path), "--list"], capture_output=True, text=True, check=True,
-                         env={"PATH": "/usr/bin:/bin", "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
-                              "HOME": str(tmp_path)})
-    want = json.loads(out.stdout)["_meta"]["hostvars"]
+    want = _ansible_hostvars(path, tmp_path)
     inv = load_inventory(path)
     for h in inv.hosts:
         for k in ("kimi_nic", "kimi_role", "ansible_user", "kimi_hardware", "ansible_host"):
