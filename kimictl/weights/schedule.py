@@ -214,6 +214,9 @@ class Schedule:
             self.holders[p] &= ~(1 << h)
             self.nholders[p] -= 1
         self.inflight[h] = 0
+        for k, avoid in self.avoid.items():   # the holders left may all be ones to avoid now: each may be tried again
+            if avoid and self.holders[k[1]] & ~avoid == 0:
+                self.avoid[k] = 0
         self._owe([p for p in range(len(self.paths)) if not self.holders[p]])
 
     # --- decisions ------------------------------------------------------------------------------------

@@ -158,6 +158,21 @@ def test_control_mode_pushes_until_hosts_can_pass_files_on():
     assert any(t.src in ("a", "b") for t in ts)   # a host before this machine when both hold a file
 
 
+def test_a_file_whose_other_holder_failed_comes_again_from_the_holder_that_failed_once():
+    """h0's copy of f from the control node broke, so h0 avoids the control node while h1 also holds f; then h1
+    fails: the control node is the only holder left and must be tried again (a stall before; found by the random
+    runs below with seed 2080437422)."""
+    s = Schedule({"f": 5, "g": 5}, {"h0": ["g"], "h1": ["f", "g"]}, control=True, batch_bytes=1)
+    (t,) = s.next()
+    assert (t.dest, t.src, t.paths) == ("h0", CONTROL, ("f",))
+    s.failed("h0", "f")
+    s.host_failed("h1")
+    (t,) = s.next()
+    assert (t.dest, t.src, t.paths) == ("h0", CONTROL, ("f",))
+    land(s, t)
+    assert s.finishing() == ["h0"] and s.done
+
+
 def test_small_files_from_one_holder_share_a_stream():
     s = Schedule({"big": 1000, "s1": 1, "s2": 2, "s3": 3}, {"a": ["big", "s1", "s2", "s3"], "b": []},
                  streams=1, batch_bytes=100)
