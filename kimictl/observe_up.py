@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shlex
 import time
 from collections.abc import Callable
@@ -15,8 +16,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kimictl import health, remote
-from kimictl.errors import HostError, KimictlError
-from kimictl.hostops import LIVE_STATES, Change, HostObservation, HostOps, Proc, compute_changes
+from kimictl.errors import HostError, KimictlError, reported
+from kimictl.hostops import LIVE_STATES, Change, HostObservation, HostOps, Proc, compute_changes, reported_states
 from kimictl.inventory import Inventory
 from kimictl.observe import PROXY_EXPORTER_SRC, ObserveConfig, ObserveRender, load_config, seconds, write_observe
 from kimictl.plan import Plan
@@ -67,6 +68,9 @@ class UpResult:
                 "node_exporter": self.node_exporter, "files": self.files, "run_dir": self.run_dir}
 
 
+_BINARY_PATH = re.compile(r"/[A-Za-z0-9._+-]+(/[A-Za-z0-9._+-]+)*")
+
+
 def probe_hosts(inv: Inventory, hosts: list[str], cfg: ObserveConfig, *, timeout: float = 20.0,
                 accept_new_keys: bool = False) -> dict[str, HostProbe]:
     """One SSH round trip per host (read-only): the binaries, the monitoring processes, node_exporter's port."""
@@ -87,12 +91,16 @@ def probe_hosts(inv: Inventory, hosts: list[str], cfg: ObserveConfig, *, timeout
         bins, _, rest = out.partition("@@kimi")
         sup, _, rest = rest.partition("@@kimi")
         port, _, uid = rest.partition("@@kimi")
-        found = dict(line.split("=", 1) for line in bins.split() if "=" in line)
+        found = {k: v for k, v in (line.split("=", 1) for line in bins.splitlines() if "=" in line) if v}
+        for b, path in found.items():   # run as commands on that host: the names asked, absolute plain paths only
+            if b not in names or not _BINARY_PATH.fullmatch(path):
+                raise HostError(f"`command -v` answered {reported(b)}={reported(path)}, not an absolute path of "
+                                "one of the binaries asked for", host=name, step="probe")
         try:
-            states = {x["name"]: x for x in json.loads(sup or "[]")}
-        except (ValueError, KeyError, TypeError):
+            states = reported_states(name, json.loads(sup or "[]"))
+        except ValueError:
             states = {}
-        return HostProbe({k: v for k, v in found.items() if v}, states, port.strip() == "0", uid.strip() == "0")
+        return HostProbe(found, states, port.strip() == "0", uid.strip() == "0")
 
     with Sessions(inv.limited(hosts), timeout=timeout, accept_new_keys=accept_new_keys) as sessions:
         got = sessions.each(one)

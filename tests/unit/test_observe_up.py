@@ -169,3 +169,22 @@ def test_observe_yml_starts_each_process_with_its_user_and_creates_that_user():
                             "localhost,", str(REPO / "playbooks/observe.yml")], capture_output=True, text=True,
                            check=False)
     assert check.returncode == 0, check.stderr
+
+
+@pytest.mark.parametrize(("bins", "sup", "why"), [
+    ("prometheus=/usr/bin/prom{{ lookup('pipe','id') }}", "[]", "not an absolute path"),
+    ("prometheus=relative/prometheus", "[]", "not an absolute path"),
+    ("curl=/usr/bin/curl", "[]", "not an absolute path of one of the binaries"),
+    ("prometheus=/usr/bin/prometheus", '[{"name": "x{{ 7*7 }}", "state": "running"}]', "not a process id"),
+])
+def test_the_probe_refuses_what_a_host_makes_up(pd, monkeypatch, bins, sup, why):
+    """Binary paths and process records a host reports become commands and playbook vars: checked first (issue 27)."""
+    from kimictl.errors import HostError
+
+    p, _, cfg = pd
+    host = p.inventory.hosts[0].name
+    answer = f"{bins}\n@@kimi\n{sup}\n@@kimi\n1\n@@kimi\n0\n"
+    monkeypatch.setattr(observe_up, "Sessions", fake_sessions(lambda h, cmd: answer))
+    with pytest.raises(HostError, match=why) as err:
+        observe_up.probe_hosts(p.inventory, [host], cfg)
+    assert err.value.host == host
