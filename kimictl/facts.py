@@ -258,6 +258,7 @@ class EngineMetrics(Strict):
 
     busy: list[str] = Field(min_length=1)      # gauges: > 0 while the engine runs, queues or holds work
     activity: list[str] = Field(min_length=1)  # counters: any change means it served something meanwhile
+    running: list[str] = Field(min_length=1)   # gauges: requests in its batch (heal: > 0 with no activity = hung)
 
 
 class EngineProfile(Strict):

@@ -5,8 +5,11 @@ What counts as broken, per slice (one DP group, the unit that restarts together)
 - dead: an engine process is not running under its supervisor (stopped, failed, in back-off), or it was restarted
   by the supervisor alone after a crash while the other ranks of its DP group kept running, or it does not answer
   /health + /v1/models (past its start-up grace);
-- hung: it answers /health but not a 1-token completion within the hang deadline; failing: it answers that with
-  an error;
+- hung: no progress: requests run on it (its engine profile's `running` gauges > 0) while none of its `activity`
+  counters (tokens, finished requests) moves for the hang deadline - a slow answer under load is not a hang. heal's
+  own probes give every engine a request meanwhile: prefill engines a 1-token completion sent straight to them,
+  decode engines only P/D hand-overs (a local prefill on a decode engine is what crashes vllm-ascend, #11882);
+- failing: a prefill engine answers that completion with an HTTP error;
 - pair: it answers on its own, but every P/D hand-over probed with it fails while its partners hand over with
   others; stale-peer: the partners of such an engine started before it did (it restarted under them): they hold
   its old KV-transfer state, so they restart too;
@@ -14,15 +17,21 @@ What counts as broken, per slice (one DP group, the unit that restarts together)
   it while it was down): re-added, not restarted.
 
 Flap damping: at most `max_actions` actions per slice within `window_s` (the event log per cluster,
-`kimictl.state.heal_events`); one more is refused and the run escalates (exit 1 with the reason). The steps
-themselves are the slice wing's, shared with the rollout (`kimictl.slices.steps.SliceSteps`); a heal restarts a
-slice on the release it runs.
+`kimictl.state.heal_events`: a "started" event is written before an action touches anything, so an action whose
+heal was killed, or that a concurrent round on this control node runs now, counts); one more is refused and the
+run escalates (exit 1 with the reason). The only instance of a role is never restarted automatically: the run
+escalates, saying what it would have done. The steps themselves are the slice wing's, shared with the rollout
+(`kimictl.slices.steps.SliceSteps`); a heal restarts a slice on the release it runs, holding router copies as
+"heal:<pid>" (it never releases another command's hold).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -77,7 +86,6 @@ class HealOptions(StepOptions):
     max_actions: int = 3
     window: float = 3600.0
     startup_grace: float = 900.0
-    hung_drain: float = 2.0
     ready_timeout: float | None = None
     accept_new_host_keys: bool = False
 
@@ -87,8 +95,7 @@ class HealOptions(StepOptions):
         d = heal_defaults()
         t = topology_heal
         opts = cls(hang_deadline=float(d["hang_deadline_s"]), max_actions=int(d["max_actions"]),
-                   window=float(d["window_s"]), startup_grace=float(d["startup_grace_s"]),
-                   hung_drain=float(d["hung_drain_s"]))
+                   window=float(d["window_s"]), startup_grace=float(d["startup_grace_s"]))
         for key, attr in (("hang_deadline", "hang_deadline_s"), ("max_actions", "max_actions"),
                           ("window", "window_s")):
             if t is not None and getattr(t, attr) is not None:
@@ -180,7 +187,8 @@ class Healer:
                  on_event: Callable[[str, str, str], None] | None = None, *,
                  ops: HostOps | None = None, http: Any = health, router: Callable[..., RouterAdmin] = RouterAdmin,
                  instances: Callable[..., AscendProxyAdmin] = AscendProxyAdmin,
-                 front: Callable[..., FrontControl] = FrontControl, clock: Callable[[], float] = time.time):
+                 front: Callable[..., FrontControl] = FrontControl, clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep):
         inv, rendered = inputs.inventory, inputs.rendered
         if rendered.plan.mode != "pd" or rendered.proxy is None:
             raise InvalidInput(f"cluster {rendered.plan.cluster} runs topology {rendered.plan.topology} "
@@ -191,13 +199,13 @@ class Healer:
                                   accept_new_host_keys=opts.accept_new_host_keys, ready_timeout=opts.ready_timeout,
                                   http=http)
         self.record, self.rendered, self.opts, self.say, self.http = inputs.record, rendered, opts, say, http
-        self.clock = clock
+        self.clock, self.sleep = clock, sleep
         self.cluster, self.served_model_name = rendered.plan.cluster, rendered.plan.served_model_name
         self.procs: dict[str, Proc] = {p.id: p for p in desired_procs(rendered, inv)}
         self.observed: dict[str, HostObservation] = {}
         self.routers_error: str | None = None
         self.steps = SliceSteps(inv, rendered, rendered, self.ops, opts, say, procs=self._procs, http=http,
-                                router=router, instances=instances, front=front)
+                                router=router, instances=instances, front=front, owner=f"heal:{os.getpid()}")
         self.steps.proxy_proc = self.procs.get("proxy")
 
     def _procs(self, s: Slice, release: str) -> list[Proc]:
@@ -214,26 +222,24 @@ class Healer:
         self.observed = self.ops.observe()
         now = self.clock()
         found: list[Finding] = []
-        candidates: list[Endpoint] = []
         for s in self.steps.slices.values():
             found += self._process_findings(s, now)
         sick = {f.engine for f in found}
         ready_checks = [ep for s in self.steps.slices.values() for ep in s.endpoints if ep.engine not in sick]
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(ready_checks)))) as pool:
-            answers = list(pool.map(self._answers, ready_checks))
-        for ep, got in zip(ready_checks, answers, strict=True):
-            if got is None:
-                candidates.append(ep)
-            else:
-                kind, detail = got
-                st = self._state(ep.engine)
-                t0 = _started(st)
-                if kind == "dead" and t0 is not None and now - t0 < self.opts.startup_grace and \
-                        not int((st or {}).get("restarts", 0)):
-                    kind, detail = "starting", f"started {now - t0:.0f}s ago and still loading ({detail})"
-                found.append(Finding(self._slice_of(ep.engine).name, kind, ep.engine, ep.host, detail))
-        found += self._pair_findings(candidates)
-        found += self._membership_findings(candidates, {f.engine for f in found})
+            answers = list(pool.map(self._ready, ready_checks))
+        live: list[Endpoint] = []
+        for ep, why in zip(ready_checks, answers, strict=True):
+            if why is None:
+                live.append(ep)
+                continue
+            kind, detail, st = "dead", why, self._state(ep.engine)
+            t0 = _started(st)
+            if t0 is not None and now - t0 < self.opts.startup_grace and not int((st or {}).get("restarts", 0)):
+                kind, detail = "starting", f"started {now - t0:.0f}s ago and still loading ({why})"
+            found.append(Finding(self._slice_of(ep.engine).name, kind, ep.engine, ep.host, detail))
+        found += self._probe(live)
+        found += self._membership_findings(live, {f.engine for f in found})
         return found
 
     def _slice_of(self, engine: str) -> Slice:
@@ -255,40 +261,78 @@ class Healer:
                                    "the other ranks of its DP group kept running"))
         return out
 
-    def _answers(self, ep: Endpoint) -> tuple[str, str] | None:
-        """None when the engine is ready and answers a 1-token completion in time, else (kind, detail)."""
+    def _ready(self, ep: Endpoint) -> str | None:
+        """None when the engine answers /health + /v1/models, else why not."""
         ready = self.http.engine_ready(ep.ip, ep.port, self.served_model_name, api_key=self.steps.engine_key)
-        if not ready.ok:
-            return "dead", f"{ep.url}: {ready.detail}"
-        t0 = time.monotonic()
-        code, body = self.http.http_post_json(f"{ep.url}/v1/completions", {
-            "model": self.served_model_name, "prompt": "kimictl heal probe", "max_tokens": 1},
-            timeout=self.opts.hang_deadline, api_key=self.steps.engine_key)
-        if code == 200:
-            return None
-        if code == 0:
-            return "hung", (f"{ep.url} answers /health but not a 1-token completion within "
-                            f"{self.opts.hang_deadline:.0f}s ({health.body_text(body, 80)}, "
-                            f"{time.monotonic() - t0:.1f}s)")
-        return "failing", f"{ep.url}: a 1-token completion got HTTP {code}: {health.body_text(body)}"
+        return None if ready.ok else f"{ep.url}: {ready.detail}"
 
-    def _pair_findings(self, eps: list[Endpoint]) -> list[Finding]:
-        """Hand-overs between engines that answer on their own: each prefill endpoint with two decode endpoints and
-        each decode endpoint with two prefill endpoints (a second partner tells a broken engine from a broken
-        partner)."""
+    def _probe(self, eps: list[Endpoint]) -> list[Finding]:
+        """Progress and hand-overs of the engines that answer: their counters are read, every engine gets requests
+        (a 1-token completion straight to each prefill engine; P/D hand-overs, prefill to decode, for every engine:
+        a decode engine is never sent a completion of its own), the counters are read again when the hang deadline
+        has passed, while those requests may still run. hung: requests run and no counter moved; failing: a prefill
+        engine answers its completion with an HTTP error; pair: see `_pair_findings`. A probe that is only slow
+        (no answer in time, the engine making progress) finds nothing."""
+        if not eps:
+            return []
+        deadline = self.opts.hang_deadline
         pre = [ep for ep in eps if ep.role == "prefill"]
         dec = [ep for ep in eps if ep.role == "decode"]
-        if not pre or not dec:
-            return []
         n = max(len(pre), len(dec))
-        pairs = list(dict.fromkeys((pre[(i + k) % len(pre)], dec[i % len(dec)]) for i in range(n) for k in (0, 1)))
-        with ThreadPoolExecutor(max_workers=min(8, len(pairs))) as pool:
-            probes = list(pool.map(lambda pd: pair_probe(pd[0], pd[1], self.served_model_name,
-                                                         timeout=self.opts.hang_deadline, http=self.http,
-                                                         api_key=self.steps.engine_key), pairs))
+        pairs = list(dict.fromkeys((pre[(i + k) % len(pre)], dec[i % len(dec)]) for i in range(n)
+                                   for k in (0, 1))) if pre and dec else []
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(max_workers=min(16, len(eps))) as pool:
+            before = dict(zip(eps, pool.map(self.progress, eps), strict=True))
+        # the probes outlast the second reading: a request that has not finished then still runs on its engine
+        timeout = deadline + 2.0
+        with ThreadPoolExecutor(max_workers=max(1, min(64, len(pre) + len(pairs)))) as pool:
+            direct = [pool.submit(self._completion, ep, timeout) for ep in pre]
+            handovers = [pool.submit(pair_probe, p, d, self.served_model_name, timeout=timeout, http=self.http,
+                                     api_key=self.steps.engine_key) for p, d in pairs]
+            self.sleep(max(0.0, t0 + deadline - time.monotonic()))
+            after = {ep: self.progress(ep) for ep in eps}
+            answers = [f.result() for f in direct]
+            probes = [f.result() for f in handovers]
+        out: list[Finding] = []
+        for ep in eps:
+            b, a = before[ep], after[ep]
+            if b is not None and a is not None and a[2] > 0 and a[1] == b[1]:
+                out.append(Finding(self._slice_of(ep.engine).name, "hung", ep.engine, ep.host,
+                                   f"{ep.url} answers /health, but {a[2]:g} request(s) run on it and no token "
+                                   f"counter moved within {deadline:g}s (no progress)"))
+        for ep, (code, body) in zip(pre, answers, strict=True):
+            if code not in (0, 200) and ep.engine not in {f.engine for f in out}:
+                out.append(Finding(self._slice_of(ep.engine).name, "failing", ep.engine, ep.host,
+                                   f"{ep.url}: a 1-token completion got HTTP {code}: {health.body_text(body)}"))
+        return out + self._pair_findings(eps, pairs, probes, {f.engine for f in out})
+
+    def progress(self, ep: Endpoint) -> tuple[float, tuple[float, ...], float] | None:
+        """(busy, activity counters, running requests) of an engine; None when its /metrics does not answer."""
+        got = self.steps.drain_sample(ep)
+        return None if got is None or len(got) < 3 else got  # type: ignore[return-value]
+
+    def _completion(self, ep: Endpoint, timeout: float) -> tuple[int, Any]:
+        """A 1-token completion straight to a prefill engine (never a decode one: vllm-ascend #11882)."""
+        assert ep.role == "prefill", ep
+        return self.http.http_post_json(f"{ep.url}/v1/completions", {
+            "model": self.served_model_name, "prompt": "kimictl heal probe", "max_tokens": 1},
+            timeout=timeout, api_key=self.steps.engine_key)
+
+    def _pair_findings(self, eps: list[Endpoint], pairs: list[tuple[Endpoint, Endpoint]],
+                       probes: list[dict[str, Any]], judged: set[str]) -> list[Finding]:
+        """Hand-overs between engines that answer: each prefill endpoint with two decode endpoints and each decode
+        endpoint with two prefill endpoints (a second partner tells a broken engine from a broken partner). Probes
+        with an engine already found hung or failing, and probes that got no answer in time (slow is not broken),
+        are left out."""
         ok: dict[str, int] = {}
         bad: dict[str, list[str]] = {}
+        failed: list[dict[str, Any]] = []
         for (p, d), r in zip(pairs, probes, strict=True):
+            if p.engine in judged or d.engine in judged or (not r["ok"] and r.get("unanswered")):
+                continue
+            if not r["ok"]:
+                failed.append(r)
             for me, other in ((p, d), (d, p)):
                 if r["ok"]:
                     ok[me.engine] = ok.get(me.engine, 0) + 1
@@ -299,13 +343,12 @@ class Healer:
         by_id = {ep.engine: ep for ep in eps}
         broken = [e for e in bad if not ok.get(e) and any(ok.get(o) for o in bad[e])]
         if not broken:
-            detail = next(r["detail"] for r in probes if not r["ok"])
             return [Finding("", "pair", ", ".join(sorted(bad)), "", "P/D hand-overs fail but no single engine can be "
-                            f"blamed (its partners fail with others too): {detail}")]
+                            f"blamed (its partners fail with others too): {failed[0]['detail']}")]
         out = []
         for e in broken:
             ep = by_id[e]
-            detail = next(r["detail"] for r in probes if not r["ok"] and e in (r["prefill"], r["decode"]))
+            detail = next(r["detail"] for r in failed if e in (r["prefill"], r["decode"]))
             out.append(Finding(self._slice_of(e).name, "pair", e, ep.host,
                                f"every probed hand-over with it fails ({', '.join(bad[e])}): {detail}"))
             mine = _started(self._state(e))
@@ -340,13 +383,10 @@ class Healer:
     # --- the plan ------------------------------------------------------------------------------------
 
     def plan(self, findings: list[Finding]) -> tuple[list[Action], list[str]]:
-        """One action per broken slice in plan order, and the escalations (flap damping, unplaceable faults)."""
+        """One action per broken slice in plan order, and the escalations (flap damping, a role's only instance,
+        unplaceable faults)."""
         escalations = [f"{f.kind}: {f.detail}" for f in findings if not f.slice]
-        now = self.clock()
-        recent: dict[str, int] = {}
-        for ev in state.heal_events(self.cluster):
-            if ev.get("event") == "action" and ev.get("slice") and now - float(ev["ts"]) < self.opts.window:
-                recent[ev["slice"]] = recent.get(ev["slice"], 0) + 1
+        recent = self.recent_actions()
         kinds: dict[str, list[str]] = {}
         for f in findings:
             if f.slice and f.kind != "starting":
@@ -358,23 +398,40 @@ class Healer:
             if name not in kinds:
                 continue
             restart = any(k in RESTART_KINDS for k in kinds[name])
-            sole = sum(1 for x in self.steps.slices.values() if x.role == s.role) == 1
-            steps = ((["drain"] if not sole else []) + ["restart", "pair-smoke"] + (["readd"] if not sole else [])
-                     if restart else ["readd"])
+            steps = ["drain", "restart", "pair-smoke", "readd"] if restart else ["readd"]
             a = Action(name, s.role, list(s.hosts), list(s.engines), kinds[name], steps)
-            if sole and restart:
-                a.note = (f"{name} is the only {s.role} instance: it stays in the routers (requests fail until it is "
-                          "back)")
             n = recent.get(name, 0)
-            if n >= self.opts.max_actions:
+            if restart and sum(1 for x in self.steps.slices.values() if x.role == s.role) == 1:
                 a.result = "escalated"
-                a.error = (f"{name} was healed {n} time(s) within the last {self.opts.window:.0f}s (at most "
+                a.error = (f"{name} is the only {s.role} instance: heal would have restarted it "
+                           f"({', '.join(kinds[name])}), but never restarts a role's only instance by itself (every "
+                           "request fails until it is back): a person decides when (see `kimictl logs --engine "
+                           f"{s.engines[0]}`)")
+                escalations.append(a.error)
+            elif n >= self.opts.max_actions:
+                a.result = "escalated"
+                a.error = (f"{name}: {n} heal action(s) started within the last {self.opts.window:.0f}s (at most "
                            f"{self.opts.max_actions}): it keeps breaking ({', '.join(kinds[name])}); not acting again")
                 escalations.append(a.error)
             actions.append(a)
         return actions, escalations
 
+    def recent_actions(self) -> dict[str, int]:
+        """Per slice, the actions started within the window: each "started" event, an action's end event
+        counted with its start (same id), and a record without an id (logged before "started" events) alone."""
+        now = self.clock()
+        seen: dict[str, set[str]] = {}
+        for n, ev in enumerate(state.heal_events(self.cluster)):
+            if ev.get("event") == "action" and ev.get("slice") and now - float(ev["ts"]) < self.opts.window:
+                seen.setdefault(str(ev["slice"]), set()).add(str(ev.get("id") or f"line {n}"))
+        return {k: len(v) for k, v in seen.items()}
+
     # --- acting --------------------------------------------------------------------------------------
+
+    def lease(self, a: Action) -> contextlib.AbstractContextManager[None] | None:
+        """The cluster lease for one action (issue 34), or None when another command holds it: the action is then
+        skipped, saying so. The seam where heal takes the lease; until the lease exists, nothing to take."""
+        return contextlib.nullcontext()
 
     def act(self, actions: list[Action], findings: list[Finding]) -> dict[str, Any] | None:
         """Heal slice after slice; the first failure stops the run (the rest stay planned). Returns the proxy gate
@@ -389,36 +446,48 @@ class Healer:
         for a in actions:
             if a.result != "planned":
                 continue
-            s = self.steps.slices[a.slice]
-            why = [f"{f.kind} {f.engine}: {f.detail}" for f in findings if f.slice == a.slice]
-            self.say(f"{a.slice}: {'; '.join(why)[:400]}")
-            t0 = time.monotonic()
-            try:
-                self._heal_slice(a, s, pending)
-            except KimictlError as exc:
-                a.result, a.error = "failed", exc.message
-                a.seconds["total"] = round(time.monotonic() - t0, 2)
-                self._event(a, why)
-                raise
-            a.result = "healed"
-            a.seconds["total"] = round(time.monotonic() - t0, 2)
+            lease = self.lease(a)
+            if lease is None:
+                a.result, a.note = "skipped", "another command holds the cluster lease: not acting now"
+                self.say(f"{a.slice}: {a.note}")
+                continue
+            with lease:
+                self._act_one(a, pending, findings)
             pending.discard(a.slice)
-            self._event(a, why)
             if "readd" in a.steps:
-                done.append(s)
-            self.say(f"{a.slice}: healed in {a.seconds['total']:.1f}s (" + ", ".join(
-                f"{k.replace('_', ' ')} {v:.1f}s" for k, v in a.seconds.items() if k != "total") + ")")
+                done.append(self.steps.slices[a.slice])
         if not done:
             return None
         gate = self.steps.proxy_gate(done)
         self.say(f"proxy gate: {gate['requests']} request(s) through the proxy reached every healed endpoint")
         return gate
 
+    def _act_one(self, a: Action, pending: set[str], findings: list[Finding]) -> None:
+        """One action between its "started" event (written before anything is touched) and its end event."""
+        s = self.steps.slices[a.slice]
+        why = [f"{f.kind} {f.engine}: {f.detail}" for f in findings if f.slice == a.slice]
+        self.say(f"{a.slice}: {'; '.join(why)[:400]}")
+        action_id = uuid.uuid4().hex[:16]
+        self._event(a, action_id, "started", findings=why, pid=os.getpid())
+        t0 = time.monotonic()
+        try:
+            self._heal_slice(a, s, pending)
+        except KimictlError as exc:
+            a.result, a.error = "failed", exc.message
+            a.seconds["total"] = round(time.monotonic() - t0, 2)
+            self._event(a, action_id, a.result, error=a.error, seconds=a.seconds)
+            raise
+        a.result = "healed"
+        a.seconds["total"] = round(time.monotonic() - t0, 2)
+        self._event(a, action_id, a.result, seconds=a.seconds)
+        self.say(f"{a.slice}: healed in {a.seconds['total']:.1f}s (" + ", ".join(
+            f"{k.replace('_', ' ')} {v:.1f}s" for k, v in a.seconds.items() if k != "total") + ")")
+
     def _heal_slice(self, a: Action, s: Slice, pending: set[str]) -> None:
-        hung = any(k in ("dead", "hung", "failing") for k in a.reasons)
         t = time.monotonic()
         if "drain" in a.steps:
-            self.steps.drain([s], timeout=self.opts.hung_drain if hung else None)
+            # up to the drain timeout, as a rollout drains; requests that make no progress cannot finish
+            self.steps.drain([s], stuck=self.opts.hang_deadline)
             a.seconds["drain"] = round(time.monotonic() - t, 2)
         if "restart" in a.steps:
             t = time.monotonic()
@@ -433,11 +502,10 @@ class Healer:
             self.steps.readd([s])
             a.seconds["readd"] = round(time.monotonic() - t, 2)
 
-    def _event(self, a: Action, why: list[str]) -> None:
+    def _event(self, a: Action, action_id: str, result: str, **extra: Any) -> None:
         state.append_heal_event(self.cluster, {
-            "event": "action", "slice": a.slice, "reasons": a.reasons, "steps": a.steps, "result": a.result,
-            "error": a.error, "findings": why, "seconds": a.seconds, "release": self.record.release,
-            "run_dir": str(self.ops.run_dir)})
+            "event": "action", "id": action_id, "slice": a.slice, "result": result, "reasons": a.reasons,
+            "steps": a.steps, "release": self.record.release, "run_dir": str(self.ops.run_dir), **extra})
 
     # --- one round -----------------------------------------------------------------------------------
 

@@ -203,22 +203,25 @@ class AscendProxyAdmin:
 
 class FrontControl:
     """kimictl's proxy front's own admin commands (admin key): hold router copy i (no new client request goes to
-    it; leased) and release it."""
+    it; leased) and release it. A hold carries its owner (e.g. "heal:<pid>", "rollout:<pid>"): a release with an
+    owner frees only that owner's hold, so one command never lets another's held copy take clients. (A front older
+    than owners ignores them: its release frees the copy.)"""
 
     def __init__(self, base_url: str, api_key: str | None = None, http: Any = health, timeout: float = 10.0):
         self.url, self.api_key, self.http, self.timeout = base_url.rstrip("/"), api_key, http, timeout
 
-    def _post(self, index: int, verb: str, query: str = "") -> None:
-        path = f"/kimictl/front/router/{index}/{verb}{query}"
+    def _post(self, index: int, verb: str, query: dict[str, str]) -> None:
+        path = f"/kimictl/front/router/{index}/{verb}" + (f"?{urllib.parse.urlencode(query)}" if query else "")
         code, text = self.http.http_request("POST", f"{self.url}{path}", timeout=self.timeout, api_key=self.api_key)
         if code != 200:
             raise RouterError(f"proxy front {self.url}: POST {path} -> {code or 'unreachable'}: {text[:200]}")
 
-    def hold(self, index: int, seconds: float) -> None:
-        self._post(index, "hold", f"?seconds={seconds:g}")
+    def hold(self, index: int, seconds: float, owner: str | None = None) -> None:
+        self._post(index, "hold", {"seconds": f"{seconds:g}", **({"owner": owner} if owner else {})})
 
-    def release(self, index: int) -> None:
-        self._post(index, "release")
+    def release(self, index: int, owner: str | None = None) -> None:
+        """Free `owner`'s hold of copy `index` (without an owner: every hold of it)."""
+        self._post(index, "release", {"owner": owner} if owner else {})
 
 
 def membership_client(router: str | None, url: str, api_key: str | None = None, timeout: float = 10.0,

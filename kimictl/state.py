@@ -187,28 +187,53 @@ def heal_events_path(cluster: str) -> Path:
 
 
 def append_heal_event(cluster: str, event: dict[str, Any]) -> dict[str, Any]:
-    """Append one event (stamped with `at`, ISO UTC, and `ts`, epoch seconds, unless it has them)."""
+    """Append one event (stamped with `at`, ISO UTC, and `ts`, epoch seconds, unless it has them). A cut-off last
+    line (a writer killed mid-line: the reader ignores it) is cut away first, under a lock every heal writer takes,
+    so that it never ends up in the middle of the log; an intact event without its newline keeps its place."""
+    import fcntl
+
     now = datetime.now(UTC)
     doc = {"at": now.isoformat(timespec="seconds"), "ts": round(now.timestamp(), 3), **event}
-    _append_line(heal_events_path(cluster), json.dumps(doc, separators=(",", ":")))
+    path = heal_events_path(cluster)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # released when the file closes
+        f.seek(0)
+        text = f.read()
+        cut = text.rfind(b"\n") + 1
+        if text[cut:] and _heal_event(text[cut:].decode(errors="replace")) is None:
+            f.truncate(cut)
+        f.seek(0, os.SEEK_END)
+        lead = b"\n" if text[cut:] and f.tell() > cut else b""
+        f.write(lead + json.dumps(doc, separators=(",", ":")).encode() + b"\n")
     return doc
 
 
+def _heal_event(line: str) -> dict[str, Any] | None:
+    """One line of the log as an event, or None when it is not a JSON event with `ts`."""
+    try:
+        doc = json.loads(line)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("ts"), (int, float)) else None
+
+
 def heal_events(cluster: str) -> list[dict[str, Any]]:
-    """Every recorded heal event, oldest first (empty when heal never ran)."""
+    """Every recorded heal event, oldest first (empty when heal never ran). A cut-off last line (no newline, not an
+    event: its writer was killed mid-line) is ignored; a damaged line before it is a StateError naming the line."""
     path = heal_events_path(cluster)
+    text = read_text(path) or ""
+    lines = text.splitlines()
     out: list[dict[str, Any]] = []
-    for n, line in enumerate((read_text(path) or "").splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            doc = json.loads(line)
-        except ValueError as exc:
-            doc = exc
-        if not isinstance(doc, dict) or not isinstance(doc.get("ts"), (int, float)):
+        doc = _heal_event(line)
+        if doc is None and n == len(lines) and not text.endswith("\n"):
+            break  # torn: its writer died before the action it announced, or after the one it closed
+        if doc is None:
             raise StateError(f"the heal event log {path} (line {n}) is damaged: not a JSON event with `ts`",
-                             hint="each line is one JSON event; a cut-off last line is an interrupted write: delete "
-                                  "that line (the lines before it are intact)")
+                             hint="each line is one JSON event: delete or repair that line (the others are intact)")
         out.append(doc)
     return out
 

@@ -140,8 +140,8 @@ class Slo(_Strict):
 class Heal(_Strict):
     """How `kimictl heal` judges engines and how often it may act (unset fields: kimictl/data/heal.yml)."""
 
-    hang_deadline_s: float | None = Field(None, gt=0, description="a 1-token completion straight to an engine must "
-                                                                   "answer within this, or the engine is hung")
+    hang_deadline_s: float | None = Field(None, gt=0, description="seconds an engine may run requests with no "
+                                                                   "token counter moving before it counts as hung")
     max_actions: int | None = Field(None, ge=1, le=100, description="heal actions per slice within window_s; one "
                                                                     "more escalates (exit 1)")
     window_s: float | None = Field(None, gt=0, description="the flap-damping window, seconds")

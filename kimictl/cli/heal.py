@@ -60,16 +60,18 @@ def heal(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Detect and print the planned actions; change nothing "
                                                             "(exit 3 when there are some).")] = False,
     hang_deadline: Annotated[float | None, typer.Option(
-        "--hang-deadline", min=0.1, help="Seconds a 1-token completion may take before the engine counts as hung "
-                                         "(default: the topology's heal.hang_deadline_s, else kimictl/data/heal.yml)."
+        "--hang-deadline", min=0.1, help="Seconds an engine may run requests without any progress (token counters "
+                                         "flat) before it counts as hung (default: the topology's "
+                                         "heal.hang_deadline_s, else kimictl/data/heal.yml)."
     )] = None,
     max_actions: Annotated[int | None, typer.Option(
         "--max-actions", min=1, help="Actions per slice within --window before heal escalates (exit 1).")] = None,
     window: Annotated[float | None, typer.Option("--window", min=1.0, help="The flap-damping window, seconds.")] = None,
     interval: Annotated[float | None, typer.Option(
         "--interval", min=1.0, help="Seconds between rounds without --once (default: heal.yml's interval_s).")] = None,
-    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=1.0, help="Seconds a slice that still "
-                                                 "answers may take to finish its in-flight requests.")] = 300.0,
+    drain_timeout: Annotated[float, typer.Option("--drain-timeout", min=1.0, help="Seconds a drained slice may take "
+                                                 "to finish its in-flight requests (requests that make no progress are "
+                                                 "not waited for).")] = 300.0,
     ready_timeout: ReadyTimeoutOpt = None,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,

@@ -12,7 +12,9 @@ A router's own API (membership: drain, re-add) is reached only as `/kimictl/rout
 of --admin-key-file: the client key never opens it, and without an admin key file nothing does. With the same key,
 `POST /kimictl/front/router/<i>/hold?seconds=N` keeps new client requests away from copy i (its clients' next
 requests go to the other copies) for N seconds or until `.../release`: a router that re-adds an engine only while
-idle (vllm-ascend's proxy) gets there without a restart. The router kind's health path (--router-health) is what
+idle (vllm-ascend's proxy) gets there without a restart. A hold may name its owner (`&owner=heal:123`): each owner's
+hold lasts on its own, `.../release?owner=X` frees only X's, and a copy is held while anyone holds it; a release
+without an owner frees every hold of the copy. The router kind's health path (--router-health) is what
 the front checks its copies with and what the proxy port's `GET /health` asks.
 
 Limits against abusive clients: a connection cap (a connection over it waits QUEUE_WAIT seconds for a slot, an idle
@@ -56,6 +58,7 @@ import urllib.request
 ADMIN_RE = re.compile(rb"/kimictl/router/(\d{1,3})(/.*)?")
 HOLD_RE = re.compile(rb"/kimictl/front/router/(\d{1,3})/(hold|release)")
 HOLD_MAX = 3600.0  # seconds a hold lasts at most (a kimictl that died holding a copy cannot keep it out for long)
+OWNER_RE = re.compile(r"[\x21-\x7e]{1,128}")  # a hold's owner: printable ASCII, no spaces (it is logged)
 TOKEN_RE = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 CTL_RE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # control characters but TAB: never in a request head line
 DEFAULT_CLIENT_PATHS = ("/v1/*", "/health")
@@ -543,7 +546,7 @@ class Router:
         self.accepting = False
         self.restarts = 0
         self.active = 0
-        self.held_until = 0.0  # monotonic time until which no new client request goes here (hold)
+        self.holds = {}  # owner ("" for a hold without one) -> monotonic time until which it holds this copy
         self.started_at = None
         self.exited = asyncio.Event()
         self.ready = asyncio.Event()
@@ -553,10 +556,17 @@ class Router:
         return {"index": self.index, "port": self.port, "metrics_port": self.metrics_port, "state": self.state,
                 "pid": self.proc.pid if self.proc and self.proc.returncode is None else None,
                 "restarts": self.restarts, "active": self.active, "started_at": self.started_at,
-                "held": self.held()}
+                "held": self.held(), "holders": self.holders()}
+
+    def holders(self):
+        """The owners whose hold of this copy has not ended (no new client request goes here meanwhile)."""
+        now = time.monotonic()
+        for owner in [o for o, until in self.holds.items() if until <= now]:
+            del self.holds[owner]
+        return sorted(self.holds)
 
     def held(self):
-        return time.monotonic() < self.held_until
+        return bool(self.holders())
 
 
 class Front:
@@ -749,19 +759,27 @@ class Front:
         if index >= len(self.routers):
             raise HttpError(404, "Not Found", f"no router {index}")
         r = self.routers[index]
+        params = urllib.parse.parse_qs(query.decode(errors="replace"))
+        owner = params.get("owner", [None])[-1]
+        if owner is not None and not OWNER_RE.fullmatch(owner):
+            raise HttpError(400, "Bad Request", "owner must be 1-128 printable characters without spaces")
         if verb == b"hold":
             try:
-                seconds = float(urllib.parse.parse_qs(query.decode()).get("seconds", ["300"])[-1])
+                seconds = float(params.get("seconds", ["300"])[-1])
             except ValueError:
                 raise HttpError(400, "Bad Request", "seconds must be a number") from None
             others = [o for o in self.routers if o is not r and o.accepting and not o.held()]
             if len(self.routers) > 1 and not others:
                 raise HttpError(409, "Conflict", f"router {index} not held: no other router is up to take its "
                                                  "clients")
-            r.held_until = time.monotonic() + max(0.0, min(seconds, HOLD_MAX))
+            r.holds[owner or ""] = time.monotonic() + max(0.0, min(seconds, HOLD_MAX))
+        elif owner is None:
+            r.holds.clear()
         else:
-            r.held_until = 0.0
-        log(f"router {index}: {'held' if r.held() else 'released'}")
+            r.holds.pop(owner, None)
+        who = f" by {owner}" if owner else ""
+        log(f"router {index}: {'hold' if verb == b'hold' else 'release'}{who}; "
+            f"{'held by ' + (', '.join(o or '(no owner)' for o in r.holders())) if r.held() else 'released'}")
         self.save()
         body = (json.dumps({"router": index, "held": r.held(), "active": r.active}) + "\n").encode()
         return (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"

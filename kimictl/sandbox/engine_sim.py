@@ -1520,9 +1520,21 @@ class ApiHandler(BaseHTTPRequestHandler):
         sim = self.sim
         if sim.hung():
             log.warning("simulated fault engine_hang_since: this completion stalls until a restart")
-            while sim.hung():
-                if sim.stop.wait(0.5):  # shut down while hung: the request is lost, as with a killed engine
-                    raise RequestError(500, "the engine shut down while hung (simulated fault engine_hang_since)")
+            # A hung engine holds its requests in its running batch and makes no tokens: num_requests_running counts
+            # this one while no token counter moves (what `kimictl heal` judges a hang by).
+            core = sim.cores[0]
+            with core.cond:
+                core.running += 1
+                sim._update_gauges(core)
+            try:
+                while sim.hung():
+                    if sim.stop.wait(0.5):  # shut down while hung: the request is lost, as with a killed engine
+                        raise RequestError(500, "the engine shut down while hung (simulated fault engine_hang_since)")
+            finally:
+                with core.cond:
+                    core.running -= 1
+                    sim._update_gauges(core)
+                    core.cond.notify_all()
         ignored = sorted(set(body) - KNOWN_REQUEST_FIELDS)
         if ignored:
             log.warning("The following fields were present in the request but ignored: %s", set(ignored))

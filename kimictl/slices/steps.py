@@ -9,6 +9,7 @@ says which processes a slice runs on a release (`procs`)."""
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -43,14 +44,17 @@ class StepOptions:
 class SliceSteps:
     """Drain, restart, pair-smoke, re-add and proxy-gate slices of a deployed P/D cluster. `old` is the render the
     running proxy was deployed from (its routers and front), `new` the one the slices run after their restart (the
-    same render for a heal); `procs` says which processes a slice runs on a release."""
+    same render for a heal); `procs` says which processes a slice runs on a release; `owner` names its holds of a
+    router copy behind kimictl's front (its release frees only its own hold)."""
 
     def __init__(self, inv: Inventory, old: Rendered, new: Rendered, ops: HostOps, opts: StepOptions,
                  say: Callable[[str], None], *, procs: Procs, http: Any = health,
                  router: Callable[..., RouterAdmin] = RouterAdmin,
                  instances: Callable[..., AscendProxyAdmin] = AscendProxyAdmin,
-                 front: Callable[..., FrontControl] = FrontControl):
+                 front: Callable[..., FrontControl] = FrontControl, owner: str | None = None):
         self.inv, self.cluster, self.say = inv, new.plan.cluster, say
+        # who holds a router copy behind the front (its release frees only this owner's hold)
+        self.owner = owner or f"kimictl:{os.getpid()}"
         self.served_model_name = new.plan.served_model_name
         self.old, self.new, self.ops, self.opts, self.procs = old, new, ops, opts, procs
         self.api_key = self.ops.api_key
@@ -58,7 +62,7 @@ class SliceSteps:
         self.engine_key = engine_api_key(inv, pd=True)  # what the engines require (None: no key)
         self.front_ctl: FrontControl | None = None  # the front's hold/release, for a router that re-adds only idle
         metrics = engine_profile(inv.cluster.kimi_engine_profile).metrics
-        self.drain_sample = drain_sampler(metrics.busy, metrics.activity, http)
+        self.drain_sample = drain_sampler(metrics.busy, metrics.activity, http, running=metrics.running)
         self.slices = slices_of(new)
         self.proxy_restarts: list[dict[str, Any]] = []
         self.routers: list[RouterAdmin] = []
@@ -102,9 +106,10 @@ class SliceSteps:
         own = self.own_routers_of(self.new)
         self.routers[:self.own_routers], self.own_routers = own, len(own)
 
-    def drain(self, slices: list[Slice], timeout: float | None = None) -> dict[str, Any]:
+    def drain(self, slices: list[Slice], timeout: float | None = None, stuck: float | None = None) -> dict[str, Any]:
         """Out of every router, then wait for in-flight requests (`timeout`: at most this long instead of the
-        options' drain timeout, e.g. for a hung slice that cannot finish them)."""
+        options' drain timeout; `stuck`: an engine whose requests made no progress for this long is not waited
+        for, e.g. a hung slice that cannot finish them)."""
         timeout = self.opts.drain_timeout if timeout is None else timeout
         self.touched_done += [s for s in slices if s not in self.touched_done]
         eps = [ep for s in slices for ep in s.endpoints]
@@ -119,13 +124,16 @@ class SliceSteps:
             self.say(f"drained {', '.join(s.name for s in slices)} from {len(self.routers)} router(s); waiting for "
                      "in-flight requests")
             got = wait_drained(eps, timeout=timeout, quiet=min(self.opts.drain_quiet, timeout),
-                               sample=self.drain_sample)
+                               sample=self.drain_sample, stuck=stuck)
             # A router restarted meanwhile (by its supervisor) comes back with every worker: drain again.
             back = [ep.engine for r in self.routers for ep in eps if ep.url in r.members()]
             if not back:
                 if got["timed_out"]:
                     self.say(f"drain timeout ({timeout:.0f}s): {', '.join(got['timed_out'])} still "
                              "busy; their in-flight requests are cut")
+                if got.get("stuck"):
+                    self.say(f"{', '.join(got['stuck'])}: requests running, no progress for {stuck:.0f}s; they "
+                             "cannot finish and are cut")
                 return got
             self.say(f"a router lists {', '.join(back)} again (did it restart?); draining again ({attempt + 1}/3)")
         raise HostError(f"cannot keep {', '.join(s.name for s in slices)} out of the routers", step="drain",
@@ -202,12 +210,12 @@ class SliceSteps:
         assert self.front_ctl is not None and self.old.plan.proxy is not None
         kind = router_kind(self.old.plan.proxy.router)
         t0 = time.monotonic()
-        self.front_ctl.hold(index, seconds=self.opts.drain_timeout + 120)
+        self.front_ctl.hold(index, seconds=self.opts.drain_timeout + 120, owner=self.owner)
         try:
             r.readd([(ep.url, ep.role) for ep in eps], timeout=self.opts.drain_timeout,
                     check_interval=kind.check_interval)
         finally:
-            self.front_ctl.release(index)
+            self.front_ctl.release(index, owner=self.owner)  # only this run's hold: another's (a rollout's) stays
         self.proxy_restarts.append({"why": f"re-add {', '.join(ep.engine for ep in eps)} to router {index}",
                                     "seconds": round(time.monotonic() - t0, 2), "kind": "held"})
 

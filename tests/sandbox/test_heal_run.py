@@ -104,7 +104,9 @@ def test_heal_once_cures_a_hung_decode_engine_without_client_errors(cluster) -> 
     assert code == 0 and st2["state"] == "healthy", st2
     assert [(m["router"], m["missing"]) for m in st2["proxy"]["membership"]] == [(0, []), (1, [])]
     events = [json.loads(x) for x in (_state_dir(sb) / "heal-events.jsonl").read_text().splitlines()]
-    assert [(e["event"], e["slice"], e["result"]) for e in events] == [("action", slice_name, "healed")]
+    assert [(e["event"], e["slice"], e["result"]) for e in events] == [("action", slice_name, "started"),
+                                                                        ("action", slice_name, "healed")]
+    assert events[0]["id"] == events[1]["id"]  # one action: "started" written before it touched anything
     assert Path(doc["run_dir"]).is_dir()
     again = kimictl("heal", "-i", inv, "--once", "--output", "json", timeout=300)
     assert again.returncode == 0 and json.loads(again.stdout)["result"] == "healthy", again.stderr[-2000:]

@@ -480,8 +480,14 @@ def test_hang_now_fault_stalls_completions_of_a_running_engine_but_not_its_healt
     faults.write_text(json.dumps({"engine_hang_since": {"colocated": time.time()}}))
     assert http("GET", f"{sim.url}/health", timeout=5)[0] == 200
     assert http("GET", f"{sim.url}/metrics", timeout=5)[0] == 200
+    before = sim.metrics()
     with pytest.raises(TimeoutError):
         http("POST", f"{sim.url}/v1/completions", body, timeout=1.5)
+    # a hung engine holds its requests in its running batch and makes no progress (what `kimictl heal` judges by)
+    hung = sim.metrics()
+    assert hung["vllm:num_requests_running"] >= 1 and before["vllm:num_requests_running"] == 0
+    assert [hung[k] for k in ("vllm:generation_tokens_total", "vllm:prompt_tokens_total")] == [
+        before[k] for k in ("vllm:generation_tokens_total", "vllm:prompt_tokens_total")]
     faults.write_text(json.dumps({"engine_hang_since": {"decode": time.time()}}))  # another role: not this one
     assert http("POST", f"{sim.url}/v1/completions", body, timeout=10)[0] == 200
     faults.write_text(json.dumps({"engine_hang_since": {"*": time.time() - 3600}}))  # before it started

@@ -1,10 +1,12 @@
-"""`kimictl heal` without hosts: detection (dead, hung, failing, mis-paired, stale peers, missing from a router), the
-action planner, flap damping, --dry-run and the exit codes. Host operations, HTTP and the routers are the fakes of
+"""`kimictl heal` without hosts: detection (dead, hung by the progress rule, failing, mis-paired, stale peers, missing
+from a router), the action planner, flap damping over started actions, the event log, a role's only instance,
+router holds with an owner, --dry-run and the exit codes. Host operations, HTTP and the routers are the fakes of
 test_orchestration (they record what was asked and keep the supervisor's view of every host)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,7 +32,8 @@ NOW = 1_764_600_000.0  # 2025-12-01T14:40Z: long after T0 (no start-up grace app
 
 
 class HealHttp(FakeHttp):
-    """FakeHttp whose endpoints can be down (no /health), hung (health answers, completions time out), failing
+    """FakeHttp whose endpoints can be down (no /health), hung (health answers, completions time out, requests run
+    and no token counter moves), queued (completions time out, requests run, tokens advance: a busy engine), failing
     (completions answer 500) or unable to hand KV over (pair probes fail, plain completions answer). A process the
     fake ops started again is healthy: the flags are on the supervisor's record of the process."""
 
@@ -38,6 +41,8 @@ class HealHttp(FakeHttp):
         super().__init__()
         self.ops, self.eps = ops, eps
         self.completion_timeouts: list[float] = []
+        self.direct: list[str] = []  # the engine of every completion sent straight to one engine (no hand-over)
+        self.busy: set[str] = set()  # engines running requests whose tokens advance (a drain waits for them)
 
     def _flag(self, url: str) -> str | None:
         e = self.eps.get(url.split("/v1/", 1)[0].rstrip("/"))
@@ -49,10 +54,22 @@ class HealHttp(FakeHttp):
         ok = self._flag(f"http://{ip}:{port}") != "down"
         return health.Ready(ok, "ready" if ok else "/health unreachable: connection refused")
 
+    def metric_totals(self, ip: str, port: int, timeout: float = 3.0) -> dict[str, float]:
+        totals = super().metric_totals(ip, port, timeout)
+        n = totals[health.PREFILL_COUNTER]
+        totals.update({"vllm:prompt_tokens_total": n, "vllm:generation_tokens_total": n})
+        flag = self._flag(f"http://{ip}:{port}")
+        if flag == "hung":
+            totals = {k: 7.0 for k in totals}  # nothing moves
+            totals["vllm:num_requests_running"] = 3.0
+        elif flag == "queued" or self.eps[f"http://{ip}:{port}"].id in self.busy:
+            totals.update({"vllm:num_requests_running": 16.0, "vllm:num_requests_waiting": 40.0})
+        return totals
+
     def http_request(self, method: str, url: str, body: Any = None, timeout: float = 10.0,
                      headers: dict | None = None, api_key: str | None = None) -> tuple[int, str]:
         flag = self._flag(url)
-        if flag == "hung":
+        if flag in ("hung", "queued"):
             return 0, "timed out"
         if flag == "failing":
             return 500, "EngineCore died"
@@ -63,6 +80,7 @@ class HealHttp(FakeHttp):
     def http_post_json(self, url: str, body: dict, timeout: float = 60.0, api_key: str | None = None):
         if url.split("/v1/", 1)[0] in self.eps and "kv_transfer_params" not in body:  # the probe of one engine
             self.completion_timeouts.append(timeout)
+            self.direct.append(self.eps[url.split("/v1/", 1)[0]].id)
         code, text = self.http_request("POST", url, body, timeout)
         return code, json.loads(text) if code == 200 else text
 
@@ -102,11 +120,12 @@ def _cluster(tmp_path: Path, hosts: int = 4, opts: HealOptions | None = None, cl
         return copies[url]
 
     def make(o: HealOptions | None = None) -> Healer:
-        o = o or opts or HealOptions.resolve(drain_quiet=0.0, drain_timeout=5.0)
+        # a short hang deadline: a drain gives up on requests stuck that long (real time)
+        o = o or opts or HealOptions.resolve(drain_quiet=0.0, drain_timeout=5.0, hang_deadline=0.5)
         return Healer(HealInputs(inv, rec, rendered), o, lambda m: None, ops=ops, http=http, instances=instances,
-                      front=lambda url, api_key=None, http=None: front, clock=lambda: clock)
+                      front=lambda url, api_key=None, http=None: front, clock=lambda: clock, sleep=lambda s: None)
 
-    make.http, make.copies = http, copies
+    make.http, make.copies, make.front = http, copies, front
     return make, ops, rendered, log
 
 
@@ -148,8 +167,11 @@ def test_a_hung_decode_is_drained_restarted_pair_smoked_and_readded(tmp_path: Pa
     assert res.result == "healed" and res.exit_code == 0, res.error
     assert {(f.kind, f.slice) for f in res.findings} == {("hung", "decode-0")}
     assert sorted(f.engine for f in res.findings) == sorted(e.id for e in d0 if e.serves_http)
-    assert "answers /health but not a 1-token completion within 20s" in res.findings[0].detail
-    assert set(make.http.completion_timeouts) == {20.0}  # heal.yml's hang deadline
+    assert "3 request(s) run on it and no token counter moved within 0.5s" in res.findings[0].detail
+    # no completion of its own to a decode engine (a local prefill there crashes vllm-ascend, #11882): each prefill
+    # engine got one straight, the decode engines only P/D hand-overs
+    prefill_eps = sorted(e.id for e in rendered.engines if e.serves_http and e.role == "prefill")
+    assert sorted(make.http.direct) == prefill_eps and set(make.http.completion_timeouts) == {0.5 + 2.0}
     [a] = res.actions
     assert (a.slice, a.reasons, a.steps, a.result) == ("decode-0", ["hung"], ["drain", "restart", "pair-smoke",
                                                                                "readd"], "healed")
@@ -163,10 +185,61 @@ def test_a_hung_decode_is_drained_restarted_pair_smoked_and_readded(tmp_path: Pa
     assert [(op, i) for who, op, i in log if who == "front"] == [("hold", "0"), ("release", "0"), ("hold", "1"),
                                                                   ("release", "1")]
     assert res.proxy_gate and res.proxy_gate["ok"]
-    [ev] = state.heal_events(CLUSTER)
-    assert (ev["event"], ev["slice"], ev["result"], ev["reasons"]) == ("action", "decode-0", "healed", ["hung"])
+    started, ended = state.heal_events(CLUSTER)  # "started" before anything was touched, then the end
+    assert [(e["event"], e["slice"], e["result"], e["reasons"]) for e in (started, ended)] == [
+        ("action", "decode-0", "started", ["hung"]), ("action", "decode-0", "healed", ["hung"])]
+    assert started["id"] == ended["id"] and started["findings"] and "seconds" in ended
+    # heal held each copy as its own owner and released only that
+    assert set(make.front.owners) == {f"heal:{os.getpid()}"} and make.front.held == set()
     # the next round finds nothing: the restart cured it
     assert make().run().result == "healthy"
+
+
+def test_queueing_under_load_is_not_a_hang_and_nothing_restarts(tmp_path: Path) -> None:
+    """decode-0 queues: its probes get no answer within the deadline (requests wait behind a full batch) while its
+    token counters advance. Slow is not hung: no finding, nothing touched."""
+    make, ops, rendered, log = _cluster(tmp_path)
+    _set(ops, _engines(rendered, "decode-0"), fault="queued")
+    res = make().run()
+    assert (res.result, res.findings, res.actions) == ("healthy", [], [])
+    assert not ops.actions() and not [x for x in log if x[1] in ("remove", "add")]
+
+
+def test_a_drain_waits_for_progressing_requests_up_to_the_drain_timeout(tmp_path: Path) -> None:
+    """A failing prefill slice whose other requests still advance is drained the way a rollout drains: heal waits
+    for them up to --drain-timeout (not a fixed 2 s), then cuts them."""
+    make, ops, rendered, _ = _cluster(tmp_path)
+    p0 = _engines(rendered, "prefill-0")
+    _set(ops, p0[:1], fault="failing")
+    make.http.busy = {e.id for e in p0}
+    said: list[str] = []
+    h = make(HealOptions.resolve(drain_quiet=0.0, drain_timeout=3.0, hang_deadline=0.5))
+    h.say = h.steps.say = said.append
+    res = h.run()
+    assert res.result == "healed", res.error
+    assert res.actions[0].seconds["drain"] >= 3.0
+    assert any(m.startswith("drain timeout (3s)") for m in said), said
+
+
+def test_a_drain_gives_up_on_requests_that_make_no_progress() -> None:
+    from kimictl.slices.model import Endpoint
+    from kimictl.slices.probes import wait_drained
+
+    now = [0.0]
+    eps = [Endpoint(e, "h", "10.0.0.1", 1, "decode") for e in ("stuck", "slow")]
+    samples = {"stuck": lambda: (3.0, (7.0,), 3.0), "slow": lambda: (3.0, (now[0],), 3.0)}
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    got = wait_drained(eps, timeout=10, quiet=1.0, sample=lambda ep: samples[ep.engine](), clock=lambda: now[0],
+                       sleep=sleep, stuck=2.0)
+    assert (got["stuck"], got["timed_out"]) == (["stuck"], ["slow"]) and got["seconds"] > 10
+    # without `stuck` (a rollout's drain), both are waited for until the timeout
+    now[0] = 0.0
+    got = wait_drained(eps, timeout=10, quiet=1.0, sample=lambda ep: samples[ep.engine](), clock=lambda: now[0],
+                       sleep=sleep)
+    assert (got["stuck"], got["timed_out"]) == ([], ["slow", "stuck"])
 
 
 def test_a_dead_engine_restarts_its_whole_slice_and_a_lone_supervisor_restart_counts_as_dead(tmp_path) -> None:
@@ -253,14 +326,17 @@ def test_an_endpoint_a_router_dropped_is_readded_without_a_restart(tmp_path: Pat
     assert not ops.actions() and url in make.copies[h.steps.routers[1].url].members()
 
 
-def test_a_single_instance_role_is_restarted_in_place(tmp_path: Path) -> None:
+def test_a_role_s_only_instance_is_never_restarted_automatically_heal_escalates(tmp_path: Path) -> None:
     make, ops, rendered, log = _cluster(tmp_path, hosts=2)
     d0 = _engines(rendered, "decode-0")
     _set(ops, d0, fault="hung")
     res = make().run()
     [a] = res.actions
-    assert a.steps == ["restart", "pair-smoke"] and "only decode instance" in a.note and a.result == "healed"
-    assert not [x for x in log if x[1] in ("remove", "add")]
+    assert (res.result, res.exit_code, a.result) == ("escalated", 1, "escalated")
+    assert "decode-0 is the only decode instance: heal would have restarted it (hung)" in a.error
+    assert res.escalations == [a.error]
+    assert not ops.actions() and not [x for x in log if x[1] in ("remove", "add", "hold")]
+    assert [e["event"] for e in state.heal_events(CLUSTER)] == ["escalate"]  # no action started
 
 
 # --- failures, flap damping, dry run ----------------------------------------------------------------------------
@@ -276,7 +352,8 @@ def test_a_failed_restart_stops_the_round_and_is_recorded(tmp_path: Path) -> Non
     assert res.result == "failed" and res.exit_code == 1
     assert "did not become ready" in res.error
     assert [(a.slice, a.result) for a in res.actions] == [("prefill-1", "failed"), ("decode-0", "planned")]
-    assert [(e["slice"], e["result"]) for e in state.heal_events(CLUSTER)] == [("prefill-1", "failed")]
+    assert [(e["slice"], e["result"]) for e in state.heal_events(CLUSTER)] == [("prefill-1", "started"),
+                                                                                ("prefill-1", "failed")]
     # the failed slice stays drained: it must not get requests
     copy0 = make.copies[next(iter(make.copies))]
     assert not _urls(p1) & set(copy0.members())
@@ -288,17 +365,18 @@ def test_flap_damping_escalates_after_max_actions_per_slice_within_the_window(tm
     for ts in (NOW - 7200, NOW - 100, NOW - 50):  # the first is outside the 3600 s window
         state.append_heal_event(CLUSTER, {"event": "action", "slice": "decode-0", "result": "healed", "ts": ts})
     _set(ops, d0, fault="hung")
-    res = make(HealOptions.resolve(drain_quiet=0.0, max_actions=3)).run()
+    res = make(HealOptions.resolve(drain_quiet=0.0, max_actions=3, hang_deadline=0.5)).run()
     assert res.result == "healed"  # two within the window: a third action is allowed
+    assert make().recent_actions() == {"decode-0": 3}  # its "started" and end events are one action
     _set(ops, d0, fault="hung")
-    res = make(HealOptions.resolve(drain_quiet=0.0, max_actions=3)).run()
+    res = make(HealOptions.resolve(drain_quiet=0.0, max_actions=3, hang_deadline=0.5)).run()
     assert res.result == "escalated" and res.exit_code == 1
     assert res.actions[0].result == "escalated"
-    assert "decode-0 was healed 3 time(s) within the last 3600s (at most 3)" in res.escalations[0]
+    assert "decode-0: 3 heal action(s) started within the last 3600s (at most 3)" in res.escalations[0]
     assert len(_restarted(ops)) == 1  # nothing was touched the second time
     assert state.heal_events(CLUSTER)[-1]["event"] == "escalate"
     # a wider limit from the topology lets it act again
-    res = make(HealOptions.resolve(TopologyHeal(max_actions=5), drain_quiet=0.0)).run()
+    res = make(HealOptions.resolve(TopologyHeal(max_actions=5), drain_quiet=0.0, hang_deadline=0.5)).run()
     assert res.result == "healed"
 
 
@@ -354,12 +432,65 @@ def test_the_event_log_is_jsonl_and_a_damaged_line_is_named(state_dir: Path) -> 
     state.append_heal_event(CLUSTER, {"event": "action", "slice": "decode-0"})
     path = state.heal_events_path(CLUSTER)
     with path.open("a") as f:
-        f.write('{"event": "act')  # an interrupted write
-    state.append_heal_event(CLUSTER, {"event": "action", "slice": "decode-1"})
-    lines = path.read_text().splitlines()
-    assert len(lines) == 3 and json.loads(lines[2])["slice"] == "decode-1"  # kept apart from the cut line
+        f.write('{"event": "oops"}\n{"event": "action", "slice": "decode-1", "ts": 1}\n')  # line 2 has no ts
     with pytest.raises(StateError, match=r"heal-events.jsonl \(line 2\) is damaged"):
         state.heal_events(CLUSTER)
+
+
+def test_a_torn_last_line_of_the_event_log_is_ignored_and_cut_away_by_the_next_event(tmp_path: Path) -> None:
+    """A heal killed while it wrote an event leaves a cut-off last line: the next round reads the log without it,
+    acts, and its first event replaces the torn tail (a torn line never ends up in the middle)."""
+    make, ops, rendered, _ = _cluster(tmp_path)
+    state.append_heal_event(CLUSTER, {"event": "action", "id": "a1", "slice": "decode-0", "result": "started"})
+    path = state.heal_events_path(CLUSTER)
+    with path.open("a") as f:
+        f.write('{"at":"2025-12-01T14:39:00+00:00","ts":1764600000,"event":"act')  # killed mid-line
+    assert [e["id"] for e in state.heal_events(CLUSTER)] == ["a1"]
+    _set(ops, _engines(rendered, "decode-1"), fault="hung")
+    res = make().run()
+    assert res.result == "healed", res.error
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3 and all(json.loads(x)["event"] == "action" for x in lines)
+    assert [e["result"] for e in state.heal_events(CLUSTER)] == ["started", "started", "healed"]
+    # an intact event that only lost its newline keeps its place
+    path.write_text(path.read_text().rstrip("\n"))
+    state.append_heal_event(CLUSTER, {"event": "escalate", "reason": "x"})
+    assert [e["event"] for e in state.heal_events(CLUSTER)] == ["action"] * 3 + ["escalate"]
+
+
+def test_an_action_killed_midway_counts_towards_flap_damping(tmp_path: Path) -> None:
+    """The "started" event is on disk before heal touches the slice: a round killed during its restart (Ctrl-C, a
+    lost runner) still counts, so a slice whose restart kills or stalls heal cannot be restarted forever."""
+    make, ops, rendered, _ = _cluster(tmp_path)
+    d0 = _engines(rendered, "decode-0")
+
+    def killed(*_a: Any, **_k: Any) -> None:
+        raise KeyboardInterrupt
+
+    _set(ops, d0, fault="hung")
+    real = ops.apply_actions
+    ops.apply_actions = killed
+    with pytest.raises(KeyboardInterrupt):
+        make().run()
+    [ev] = state.heal_events(CLUSTER)
+    assert (ev["slice"], ev["result"]) == ("decode-0", "started")
+    ops.apply_actions = real
+    res = make(HealOptions.resolve(drain_quiet=0.0, max_actions=1, hang_deadline=0.5)).run()
+    assert res.result == "escalated" and "decode-0: 1 heal action(s) started" in res.escalations[0]
+    assert not ops.actions()
+
+
+def test_heal_never_releases_a_hold_another_command_placed(tmp_path: Path) -> None:
+    """A rollout holds router copy 0 while heal re-adds a slice: heal holds and releases as "heal:<pid>", so the
+    rollout's hold stays; copy 1 cannot be held while copy 0 is (no copy would be left for clients): the action
+    fails rather than take it."""
+    make, ops, rendered, _log = _cluster(tmp_path)
+    make.front.holders[0] = {"rollout:4242"}
+    _set(ops, _engines(rendered, "decode-0"), fault="hung")
+    res = make().run()
+    assert res.result == "failed" and "409" in res.error
+    assert make.front.holders[0] == {"rollout:4242"}
+    assert make.front.owners == [f"heal:{os.getpid()}"] * 2  # hold and release of copy 0, both its own
 
 
 # --- the command line ------------------------------------------------------------------------------------------
@@ -370,7 +501,7 @@ def _cli(monkeypatch, make, *args: str):
 
     monkeypatch.setattr(heal, "Healer", functools.partial(
         Healer, ops=make().ops, http=make.http, instances=lambda url, api_key=None, http=None: make.copies[url],
-        front=lambda url, api_key=None, http=None: FakeFront([])))
+        front=lambda url, api_key=None, http=None: FakeFront([]), sleep=lambda s: None))
     return CliRunner().invoke(app, ["heal", *args])
 
 
@@ -391,7 +522,7 @@ def test_cli_exit_codes_and_json(tmp_path: Path, monkeypatch) -> None:
         state.append_heal_event(CLUSTER, {"event": "action", "slice": "decode-1", "result": "healed"})
     esc = _cli(monkeypatch, make, "-i", inv, "--once", "--max-actions", "2", "--output", "json")
     assert esc.exit_code == 1
-    assert json.loads(esc.stdout)["result"] == "escalated" and "decode-1 was healed 2 time(s)" in esc.stderr
+    assert json.loads(esc.stdout)["result"] == "escalated" and "decode-1: 2 heal action(s) started" in esc.stderr
     assert "Traceback" not in esc.output
 
 

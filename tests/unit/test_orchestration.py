@@ -20,6 +20,7 @@ from kimictl.plan import make_plan
 from kimictl.render import Rendered, render
 from kimictl.rollout.overrides import apply_sets, parse_sets
 from kimictl.rollout.run import Rollout, RolloutInputs, RolloutOptions
+from kimictl.routers import RouterError
 from kimictl.topology import load_topology
 
 CLUSTER = "orch-unit"
@@ -165,7 +166,7 @@ class FakeInstances(FakeRouter):
         self.tainted.add(url)  # it always serves: a client loop keeps it busy
 
     def readd(self, eps: list[tuple[str, str]], timeout: float, check_interval: float) -> None:
-        assert self.front.held == {self.index}, "re-adding while the front sends it requests never finishes"
+        assert self.index in self.front.held, "re-adding while the front sends it requests never finishes"
         for url, role in eps:
             self.tainted.discard(url)
             self.log.append((self.url, "add", url))
@@ -173,19 +174,35 @@ class FakeInstances(FakeRouter):
 
 
 class FakeFront:
-    """kimictl's front: which copies it holds (no new client request), and the order of holds and releases."""
+    """kimictl's front: who holds which copy (no new client request goes to a held copy), and the order of holds
+    and releases. As the front does, a release with an owner frees only that owner's hold, one without frees all;
+    a hold is refused (409) when no other copy would be left to take the clients."""
 
-    def __init__(self, log: list[tuple[str, str, str]]):
-        self.held: set[int] = set()
-        self.log = log
+    def __init__(self, log: list[tuple[str, str, str]], copies: int = 2):
+        self.holders: dict[int, set[str]] = {}
+        self.log, self.copies = log, copies
+        self.owners: list[str | None] = []  # the owner each hold and release named
 
-    def hold(self, index: int, seconds: float) -> None:
-        assert seconds > 0 and not self.held, "one copy at a time"
-        self.held.add(index)
+    @property
+    def held(self) -> set[int]:
+        return {i for i, who in self.holders.items() if who}
+
+    def hold(self, index: int, seconds: float, owner: str | None = None) -> None:
+        assert seconds > 0 and not [i for i, who in self.holders.items() if (owner or "") in who], \
+            "one copy at a time"
+        if not set(range(self.copies)) - self.held - {index}:
+            raise RouterError(f"proxy front: POST /kimictl/front/router/{index}/hold -> 409: router {index} not "
+                              "held: no other router is up to take its clients")
+        self.holders.setdefault(index, set()).add(owner or "")
+        self.owners.append(owner)
         self.log.append(("front", "hold", str(index)))
 
-    def release(self, index: int) -> None:
-        self.held.discard(index)
+    def release(self, index: int, owner: str | None = None) -> None:
+        if owner is None:
+            self.holders.pop(index, None)
+        else:
+            self.holders.get(index, set()).discard(owner)
+        self.owners.append(owner)
         self.log.append(("front", "release", str(index)))
 
 

@@ -714,6 +714,41 @@ def test_a_held_copy_gets_no_new_client_request_until_released_or_its_lease_ends
         f.stop()
 
 
+def test_a_hold_has_an_owner_and_a_release_frees_only_that_owner_s_hold(tmp_path: Path) -> None:
+    """A rollout and a heal hold the same copy: heal's release leaves the rollout's hold (clients still go to the
+    other copy); the rollout's own release frees it. A release without an owner frees every hold, as before."""
+    f = Front(tmp_path, routers=2)
+    try:
+        ports = [r["port"] for r in f.doc()["routers"]]
+
+        def served(n: int) -> set[int]:
+            out = set()
+            for _ in range(n):
+                code, doc = f.request("POST", "/v1/completions", {"prompt": "x"})
+                assert code == 200
+                out.add(int(doc["choices"][0]["text"].split()[1]))
+            return out
+
+        hold = "/kimictl/front/router/0/hold?seconds=30&owner="
+        assert f.request("POST", hold + "rollout:11", key=ADMIN)[0] == 200
+        assert f.request("POST", hold + "heal:22", key=ADMIN)[0] == 200
+        assert f.doc()["routers"][0]["holders"] == ["heal:22", "rollout:11"]
+        assert f.request("POST", "/kimictl/front/router/0/release?owner=heal:22", key=ADMIN)[1]["held"] is True
+        assert f.doc()["routers"][0]["holders"] == ["rollout:11"] and served(6) == {ports[1]}
+        assert f.request("POST", "/kimictl/front/router/0/release?owner=nobody", key=ADMIN)[1]["held"] is True
+        assert f.request("POST", "/kimictl/front/router/0/release?owner=rollout:11", key=ADMIN)[1]["held"] is False
+        assert served(6) == set(ports)
+        # without owners: a hold of its own, and a release that frees every hold (the front's behaviour before)
+        assert f.request("POST", hold + "rollout:11", key=ADMIN)[0] == 200
+        assert f.request("POST", "/kimictl/front/router/0/hold?seconds=30", key=ADMIN)[1]["held"] is True
+        assert f.doc()["routers"][0]["holders"] == ["", "rollout:11"]
+        assert f.request("POST", "/kimictl/front/router/0/release", key=ADMIN)[1]["held"] is False
+        assert f.request("POST", hold + "a%20b", key=ADMIN)[0] == 400  # owners are logged: no spaces
+        assert f.request("POST", hold + "x" * 129, key=ADMIN)[0] == 400
+    finally:
+        f.stop()
+
+
 def test_routers_restart_when_the_watched_engine_ids_change(tmp_path: Path) -> None:
     """--watch: a router that learns prefill engine ids at its start (vllm-router asking a Mooncake bootstrap
     server) is restarted when a prefill engine comes back under a new id; meanwhile the state says they are stale."""
