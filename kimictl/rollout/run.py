@@ -9,6 +9,7 @@ fakes."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,7 +118,7 @@ class Rollout:
         self.reports: dict[str, SliceReport] = {}
         self.switched: set[str] = set()
         self.steps = SliceSteps(inv, inputs.old, new, self.ops, opts, say, procs=self._procs, http=http,
-                                router=router, instances=instances, front=front)
+                                router=router, instances=instances, front=front, owner=f"rollout:{os.getpid()}")
 
     # --- planning (no changes) -------------------------------------------------------------------------
 
