@@ -417,7 +417,8 @@ def version_profile(version: str | None) -> VersionProfile:
     for prof in profiles.values():
         if wanted in prof.names():
             return prof
-    prefixed = [p for p in profiles.values() if any(n.startswith(wanted + ".") for n in p.names())]
+    # a prefix names a release line (major.minor at least): '0' alone would pick whatever is newest
+    prefixed = [p for p in profiles.values() if "." in wanted and any(n.startswith(wanted + ".") for n in p.names())]
     if prefixed:
         return max(prefixed, key=lambda p: version_key(p.version))
     listed = ", ".join(sorted((p.upstream or p.version for p in profiles.values()), key=version_key))

@@ -27,6 +27,7 @@ _PATH = re.compile(r"/[A-Za-z0-9._/+@-]*")
 _MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}")
 _REVISION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/-]{0,99}")
 _CLUSTER = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _URL = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(?::\d+)?(?:/[A-Za-z0-9._~/%+-]*)?")
 _COMMAND = re.compile(r"[A-Za-z0-9._/+@-]+(?: [A-Za-z0-9._/+@=-]+)*")
 # An image repository as docker spells it, without tag or digest: [registry[:port]/]path (lower-case components).
@@ -41,6 +42,23 @@ def _matches(pattern: re.Pattern[str], what: str):
         return v
 
     return check
+
+
+_PORT_IN = re.compile(r"^(?:https?://)?(?:\[[^\]]*\]|[^/:]*):(\d+)(?:/|$)")
+
+
+def _port_ok(v: str) -> str:
+    """A URL's or registry's :port, when it has one, is a TCP port."""
+    m = _PORT_IN.match(v)
+    if m and not 1 <= int(m.group(1)) <= 65535:
+        raise ValueError(f"{v!r}: port {m.group(1)} is not a TCP port (1-65535)")
+    return v
+
+
+def _no_dotdot(v: str) -> str:
+    if ".." in v.split("/"):
+        raise ValueError(f"{v!r} must not contain a '..' component")
+    return v
 
 
 def _abs_path(v: str) -> str:
@@ -85,6 +103,8 @@ def _address(v: str) -> str:
     except ValueError:
         if not _DNS.fullmatch(v):
             raise ValueError(f"{v!r} is neither an IP address nor a DNS name") from None
+        if all(label.isdigit() for label in v.split(".")):   # 10.0.0.256, or 10.0.0.010 (ssh reads it as octal)
+            raise ValueError(f"{v!r} is not a valid IPv4 address (each part 0-255, no leading zeros)") from None
         return v
     if ip.version == 6:
         raise ValueError(f"{v!r} is an IPv6 address; {_IPV4_ONLY} or a DNS name")
@@ -136,14 +156,15 @@ AbsPath = Annotated[str, AfterValidator(_abs_path)]
 KimiDir = Annotated[str, AfterValidator(_abs_path), AfterValidator(_not_system_dir)]  # state, model dirs on hosts
 MediaDir = Annotated[str, AfterValidator(_abs_path), AfterValidator(_not_root), AfterValidator(_not_system_dir)]
 ModelId = Annotated[str, AfterValidator(_matches(_MODEL_ID, "model id (owner/name)"))]
-Revision = Annotated[str, AfterValidator(_matches(_REVISION, "revision"))]
-Url = Annotated[str, AfterValidator(_matches(_URL, "http(s) URL"))]
+Revision = Annotated[str, AfterValidator(_matches(_REVISION, "revision")), AfterValidator(_no_dotdot)]
+Url = Annotated[str, AfterValidator(_matches(_URL, "http(s) URL")), AfterValidator(_port_ok)]
 Nic = Annotated[str, AfterValidator(_matches(_NIC, "network interface name"))]
 Address = Annotated[str, AfterValidator(_address)]
 HardwareName = Annotated[str, AfterValidator(_hardware)]
 Command = Annotated[str, AfterValidator(_command)]
 ImageRepo = Annotated[str, AfterValidator(_matches(
-    _IMAGE_REPO, "image repository ([registry[:port]/]path, lower case, no :tag - the version profile names it)"))]
+    _IMAGE_REPO, "image repository ([registry[:port]/]path, lower case, no :tag - the version profile names it)")),
+                     AfterValidator(_port_ok)]
 DeviceIp = Annotated[str, AfterValidator(_ipv4("NPU device IPs are IPv4 (hccn_tool -ip)"))]
 
 
@@ -356,9 +377,16 @@ class _Collector:
         self._group_vars(name, g, self._section(name, group, "vars", "a mapping"))
         hosts = self._section(name, group, "hosts", "a mapping of host names")
         for host, hvars in hosts.items():
+            if host in hosts.typed_keys:   # `~:` or `yes:` names no host Ansible would call by that text
+                self.err(hosts.line_of(host), f"group '{name}': host name {host!r} is not text"
+                                              + yaml_type_hint(hosts.typed_keys[host]))
+                continue
             self._group_host(name, host, hvars, hosts.line_of(host))
         children = self._section(name, group, "children", "a mapping of groups")
         for child, cgroup in children.items():
+            if child == "all":   # Ansible refuses it too: every group is already under all
+                self.err(children.line_of(child), f"group '{name}': 'all' cannot be a child group (it holds them all)")
+                continue
             self.walk(child, cgroup, children.line_of(child), name)
 
     def _section(self, name: str, group: LineMap, key: str, what: str) -> LineMap:
@@ -373,6 +401,12 @@ class _Collector:
     def _group_vars(self, name: str, g: _Group, vars_: LineMap) -> None:
         where = "all.vars" if name == "all" else f"group {name}"
         for k, v in vars_.items():
+            if k in ("hosts", "children", "vars"):
+                self.err(vars_.line_of(k), f"{where}: '{k}' is a section of the group, not a variable: move it out of "
+                                           "vars, one level up")
+                continue
+            if not self._var_name_ok(vars_, k, where):
+                continue
             if k == "ansible_group_priority":  # Ansible keeps it as the group's priority, not as a variable
                 if isinstance(v, bool) or not (isinstance(v, int) or (isinstance(v, str) and v.strip().isdigit())):
                     self.err(vars_.line_of(k), f"{where}: ansible_group_priority must be an integer, got {v!r}")
@@ -383,6 +417,14 @@ class _Collector:
             g.origins[k] = _Origin(vars_.line_of(k), where)
         if name == "all":
             self.all_vars, self.all_origin = g.vars, g.origins
+
+    def _var_name_ok(self, where_map: LineMap, k: str, where: str) -> bool:
+        """A variable name Ansible accepts: an ASCII identifier (a look-alike letter makes another, unknown key)."""
+        if _VAR_NAME.fullmatch(k):
+            return True
+        self.err(where_map.line_of(k), f"{where}: {k!r} is not a variable name (ASCII letters, digits and '_')"
+                                       + did_you_mean(k, KEYS))
+        return False
 
     def _group_host(self, name: str, host: str, hvars: Any, hline: int) -> None:
         """One entry of group `name`'s hosts: register the host and merge the variables given there."""
@@ -403,6 +445,8 @@ class _Collector:
             return
         hv, ho = self.host_vars[host]
         for k, v in hvars.items():
+            if not self._var_name_ok(hvars, k, f"host {host}"):
+                continue
             hv[k] = v
             ho[k] = _Origin(hvars.line_of(k), f"host {host}")
 
@@ -550,50 +594,70 @@ def _within(inner: str, outer: str) -> bool:
 
 
 def _dir_overlaps(cluster: ClusterSettings, h: Host) -> list[str]:
-    """Directories others may read must not hold the state dir (its secrets/) or, for media, the checkpoints:
-    the peer key reads the model and draft dirs, and any request may read files under the media dir."""
+    """Directories others may read must not hold the state dir (its secrets/): the peer key reads the model and
+    draft dirs, and any request may read files under the media dir."""
     shared = {"kimi_model_dir": cluster.kimi_model_dir, "kimi_draft_model_dir": cluster.kimi_draft_model_dir,
               "kimi_media_dir": cluster.kimi_media_dir}
-    out = [f"{key} {d} holds kimi_state_dir {h.kimi_state_dir} (its secrets/ would be readable through it)"
-           for key, d in shared.items() if d and _within(h.kimi_state_dir, d)]
-    out += [f"kimi_media_dir {cluster.kimi_media_dir} holds {key} {d} (any request could read the checkpoint)"
-            for key, d in list(shared.items())[:2] if d and _within(d, cluster.kimi_media_dir)]
+    return [f"{key} {d} holds kimi_state_dir {h.kimi_state_dir} (its secrets/ would be readable through it)"
+            for key, d in shared.items() if d and _within(h.kimi_state_dir, d)]
+
+
+def _checkpoint_dir_overlaps(cluster: ClusterSettings) -> list[tuple[str, str]]:
+    """(key, why) for checkpoint dirs that overlap each other or sit under the media dir, which any request may
+    read."""
+    model, draft, media = cluster.kimi_model_dir, cluster.kimi_draft_model_dir, cluster.kimi_media_dir
+    out = [("kimi_media_dir", f"kimi_media_dir {media} holds {key} {d} (any request could read the checkpoint)")
+           for key, d in (("kimi_model_dir", model), ("kimi_draft_model_dir", draft)) if d and _within(d, media)]
+    if draft and (_within(draft, model) or _within(model, draft)):
+        out.append(("kimi_draft_model_dir", f"kimi_draft_model_dir {draft} and kimi_model_dir {model} overlap (each "
+                                            "checkpoint is staged and verified in a directory of its own)"))
     return out
+
+
+def _host_checks(c: _Collector, cluster: ClusterSettings, h: Host, seen_addr: dict[str, str],
+                 seen_dev: dict[str, str]) -> None:
+    line = c.host_line[h.name]
+    for why in _dir_overlaps(cluster, h):
+        c.err(line, f"host {h.name}: {why}; give each its own directory")
+    # One business IP per host: HCCL_IF_IP, the DP master address and the proxy's endpoints use it.
+    for addr in dict.fromkeys((h.ansible_host, h.ip)):
+        if addr in seen_addr and seen_addr[addr] != h.name:
+            c.err(line, f"host {h.name}: address {addr} is also host {seen_addr[addr]} "
+                        "(each host needs its own ansible_host / kimi_host_ip)")
+        seen_addr.setdefault(addr, h.name)
+    for key in ("ansible_ssh_common_args", "ansible_ssh_extra_args"):
+        try:
+            shlex.split(str(h.ansible_vars.get(key, "")))
+        except ValueError as exc:   # ssh, Ansible and kimictl's probes would each read it differently
+            c.err(line, f"host {h.name}: {key}: {exc} (quotes must balance)")
+    try:
+        ipaddress.ip_address(h.ansible_host)
+    except ValueError:
+        if not h.kimi_host_ip:
+            c.err(line, f"host {h.name}: ansible_host '{h.ansible_host}' is a DNS name; set kimi_host_ip to "
+                        "its business IP (HCCL_IF_IP and the DP master address need an IP)")
+    if h.kimi_device_ips is not None:
+        want = h.hardware.npus
+        if len(h.kimi_device_ips) != want:
+            c.err(line, f"host {h.name}: kimi_device_ips has {len(h.kimi_device_ips)} addresses; "
+                        f"{h.kimi_hardware} has {want} NPUs, one device IP each")
+        for ip in h.kimi_device_ips:
+            if ip in seen_dev:
+                c.err(line, f"host {h.name}: device IP {ip} is also used by {seen_dev[ip]}")
+            seen_dev.setdefault(ip, h.name)
 
 
 def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) -> None:
     seen_addr: dict[str, str] = {}
     seen_dev: dict[str, str] = {}
     for h in hosts:
-        line = c.host_line[h.name]
-        for why in _dir_overlaps(cluster, h):
-            c.err(line, f"host {h.name}: {why}; give each its own directory")
-        # One business IP per host: HCCL_IF_IP, the DP master address and the proxy's endpoints use it.
-        for addr in dict.fromkeys((h.ansible_host, h.ip)):
-            if addr in seen_addr and seen_addr[addr] != h.name:
-                c.err(line, f"host {h.name}: address {addr} is also host {seen_addr[addr]} "
-                            "(each host needs its own ansible_host / kimi_host_ip)")
-            seen_addr.setdefault(addr, h.name)
-        for key in ("ansible_ssh_common_args", "ansible_ssh_extra_args"):
-            try:
-                shlex.split(str(h.ansible_vars.get(key, "")))
-            except ValueError as exc:   # ssh, Ansible and kimictl's probes would each read it differently
-                c.err(line, f"host {h.name}: {key}: {exc} (quotes must balance)")
-        try:
-            ipaddress.ip_address(h.ansible_host)
-        except ValueError:
-            if not h.kimi_host_ip:
-                c.err(line, f"host {h.name}: ansible_host '{h.ansible_host}' is a DNS name; set kimi_host_ip to "
-                            "its business IP (HCCL_IF_IP and the DP master address need an IP)")
-        if h.kimi_device_ips is not None:
-            want = h.hardware.npus
-            if len(h.kimi_device_ips) != want:
-                c.err(line, f"host {h.name}: kimi_device_ips has {len(h.kimi_device_ips)} addresses; "
-                            f"{h.kimi_hardware} has {want} NPUs, one device IP each")
-            for ip in h.kimi_device_ips:
-                if ip in seen_dev:
-                    c.err(line, f"host {h.name}: device IP {ip} is also used by {seen_dev[ip]}")
-                seen_dev.setdefault(ip, h.name)
+        _host_checks(c, cluster, h, seen_addr, seen_dev)
+    for ip, host in seen_dev.items():   # the device network and the business network must not share an address
+        if ip in seen_addr:
+            c.err(c.host_line[host], f"host {host}: device IP {ip} is host {seen_addr[ip]}'s business address")
+    for key, why in _checkpoint_dir_overlaps(cluster):
+        origin = c.all_origin.get(key)
+        c.err(origin.line if origin else 1, f"all.vars: {why}; give each its own directory")
     if cluster.kimi_api_key_file:  # read where the commands that use it run: checked by validate and plan too
         try:
             key = read_secret_file(Path(cluster.kimi_api_key_file), "kimi_api_key_file")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ class LineMap(dict):
 
     line: int = 0
     key_lines: dict[str, int]
+    typed_keys: dict[str, Any]   # keys YAML read as another type (null, a boolean, a number), by their str()
 
     def line_of(self, key: str) -> int:
         return self.key_lines.get(key, self.line)
@@ -32,10 +35,12 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool =
     out = LineMap()
     out.line = node.start_mark.line + 1
     out.key_lines = {}
+    out.typed_keys = {}
     written: set[str] = set()
     for key_node, value_node in node.value:
         key = loader.construct_object(key_node, deep=True)
         if not isinstance(key, str):
+            out.typed_keys[str(key)] = key
             key = str(key)
         if id(key_node) in own:
             if key in written:
@@ -92,14 +97,24 @@ MAX_BYTES = 16 << 20   # far above any inventory or topology; /dev/zero and the 
 
 
 def _read(path: Path, what: str) -> str:
-    """The file's text, read at most MAX_BYTES (a device or a pipe that never ends is refused, not read forever)."""
+    """The file's text: a regular file of at most MAX_BYTES (a device, or a pipe nobody writes, is refused at once,
+    never read forever)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # O_NONBLOCK: opening a FIFO must not wait for a writer
     except FileNotFoundError:
         raise InvalidInput(f"{what} not found: {path}") from None
     except OSError as exc:
         raise InvalidInput(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            kind = "a directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "not a regular file"
+            raise InvalidInput(f"cannot read {what} {path}: it is {kind}")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as exc:
+        raise InvalidInput(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
     if len(data) > MAX_BYTES:
         raise InvalidInput(f"{what} {path} is larger than {MAX_BYTES >> 20} MiB: not an {what} file")
     try:
@@ -146,11 +161,12 @@ def load_yaml(path: Path, what: str) -> Any:
             raise InvalidInput(f"{path}:{where.start_mark.line + 1}: {key or what} expands to more than "
                                f"{MAX_EXPANDED_NODES} values through YAML aliases (*name); write the values out or "
                                "use fewer nested aliases")
-        return loader.construct_document(node)
+        doc = loader.construct_document(node)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise InvalidInput(f"{where}: invalid YAML in {what}: {exc.problem or exc}") from None
+        problem = "; ".join(x for x in (exc.context, exc.problem) if x) or str(exc)
+        raise InvalidInput(f"{where}: invalid YAML in {what}: {problem}") from None
     except yaml.reader.ReaderError as exc:
         line = text[:exc.position].count("\n") + 1
         char = exc.character if isinstance(exc.character, int) else ord(exc.character)
@@ -163,6 +179,30 @@ def load_yaml(path: Path, what: str) -> Any:
     finally:
         if loader is not None:
             loader.dispose()
+    nul = _nul_at(doc)
+    if nul:
+        key, line = nul
+        raise InvalidInput(f"{path}:{line}: {key or what} holds a NUL character (\\0): no argument, environment "
+                           "variable or file name can carry it")
+    return doc
+
+
+def _nul_at(doc: Any, key: str = "", line: int = 1) -> tuple[str, int] | None:
+    """The key path and line of the first string (or key) holding a NUL character (a "\\0" escape in YAML)."""
+    if isinstance(doc, str):
+        return (key, line) if "\0" in doc else None
+    if isinstance(doc, LineMap):
+        for k, v in doc.items():
+            path = f"{key}.{k}" if key else k
+            found = (path, doc.line_of(k)) if "\0" in k else _nul_at(v, path, doc.line_of(k))
+            if found:
+                return found
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            found = _nul_at(v, f"{key}[{i}]", line)
+            if found:
+                return found
+    return None
 
 
 def yaml_type_hint(value: Any) -> str:
