@@ -28,7 +28,7 @@ from kimictl.facts import (
 )
 from kimictl.inventory import Host, Inventory
 from kimictl.router_kinds import RouterKind, router_kind
-from kimictl.topology import FrontLimits, Role, Topology
+from kimictl.topology import RESERVED_FLAGS, FrontLimits, Role, Topology, _reserved_why
 
 HCCL_DEFAULT_BUFFSIZE_MIB = 200  # HCCL's own default when HCCL_BUFFSIZE is unset
 
@@ -490,6 +490,18 @@ class _Ports:
         self.uses.append(PortUse(host=host, first=first, last=last, what=what))
 
 
+def _check_engine_commands(inv: Inventory) -> None:
+    """kimi_engine_command's words go before the serve flags kimictl computes: a reserved flag there (or --config,
+    which reads more flags from a file) would override or hide them, as it would under a topology's serve."""
+    for h in inv.hosts:
+        for word in (h.kimi_engine_command or "").split():
+            flag = word[2:].split("=", 1)[0] if word.startswith("--") else ""
+            if flag in RESERVED_FLAGS or flag == "config":
+                raise PlanError(f"host {h.name}: kimi_engine_command passes --{flag}, which {_reserved_why(flag)}",
+                                hint="give kimi_engine_command the engine's command only; serve flags go in the "
+                                     "topology's serve")
+
+
 def make_plan(inv: Inventory, topo: Topology) -> Plan:
     """Compile inventory + topology into a plan; raise PlanError (exit 2) when it cannot work."""
     ver = version_profile(inv.cluster.kimi_vllm_ascend_version)
@@ -499,6 +511,7 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
                         f"(the inventory says {inv.cluster.kimi_runtime})", hint=f"set kimi_runtime: {prof.runtime} "
                         "under all.vars, or use kimi_engine_profile: ascend")
     facts = prof.facts(inv.cluster.kimi_model_id)
+    _check_engine_commands(inv)
     hw = _hardware_of(inv, topo)
     warnings: list[str] = []
     decisions: list[SwitchDecision] = []

@@ -18,9 +18,12 @@ ENV_KEY_RULE = ("the key must be one token of letters, digits and ._~+/=- (no sp
                 "leading ~): engines read it from an env file")
 
 
+MAX_SECRET = 64 << 10   # a key or a token is a few hundred bytes at most
+
+
 def read_secret_file(path: Path, what: str) -> str:
     """The file's content without surrounding whitespace; exit 2 when missing, not a regular file, readable by
-    others or empty."""
+    others, empty or too large for a key."""
     try:
         # O_NONBLOCK: a FIFO put where the key should be must not hang the command
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -32,8 +35,10 @@ def read_secret_file(path: Path, what: str) -> str:
             raise InvalidInput(f"{what} {path} is not a regular file")
         if st.st_mode & 0o077:
             raise InvalidInput(f"{what} {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
+        if st.st_size > MAX_SECRET:
+            raise InvalidInput(f"{what} {path} is {st.st_size} bytes: not a key or token (at most {MAX_SECRET})")
         try:
-            text = os.read(fd, 1 << 20).decode().strip()
+            text = os.read(fd, MAX_SECRET + 1).decode().strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise InvalidInput(f"{what} {path}: cannot read it: {exc}") from None
     finally:

@@ -118,7 +118,11 @@ class Reporter:
 def read_token(source: str, token_file: Path | None) -> str | None:
     """From --token-file (must be 0600 or stricter) or the client's usual environment variable."""
     if token_file is not None:
-        return read_secret_file(token_file, "--token-file")
+        token = read_secret_file(token_file, "--token-file")
+        if len(token.split()) > 1:   # it goes whole into an HTTP header
+            raise InvalidInput(f"--token-file {token_file} holds {len(token.split())} words or lines; a hub token is "
+                               "one")
+        return token
     for name in TOKEN_ENV.get(source, ()):
         if os.environ.get(name):
             return os.environ[name]

@@ -282,6 +282,45 @@ CASES: list[Case] = [
          "a3-pd", ("host a3-p", "kimi_media_dir /var/lib/kimi holds kimi_state_dir /var/lib/kimi")),
     Case("media-dir-holds-model-dir", _inv({"kimi_media_dir": "/data"}, {"a3-p": A3P, "a3-d": A3D}),
          "a3-pd", ("kimi_media_dir /data holds kimi_model_dir /data/models/Kimi-K2.5-W4A8", "checkpoint")),
+    # --- a held-out corpus (issue 27) found these -------------------------------------------------------------------
+    Case("var-name-lookalike", _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "k\u0456mi_role": "prefill"}}), "a3-pd",
+         ("host a3-d", "is not a variable name", "did you mean 'kimi_role'")),
+    Case("hosts-under-vars", _inv({"hosts": {"a3-x": {"ansible_host": "10.0.0.3"}}}, {"a3-p": A3P, "a3-d": A3D}),
+         "a3-pd", ("all.vars", "'hosts' is a section of the group"), at="hosts:"),
+    Case("all-as-child", {"all": {"vars": {"kimi_cluster": "kimi-test", "kimi_model_dir": "/data/models/m",
+                                           "kimi_nic": "eth0"},
+                                  "children": {"racks": {"hosts": {"a3-p": A3P, "a3-d": A3D},
+                                                         "children": {"all": None}}}}},
+         "a3-pd", ("group 'racks'", "'all' cannot be a child")),
+    Case("host-named-null", "inv-host-named-null.yml", "a3-pd", ("host name 'None' is not text", "null"), at="~:"),
+    Case("duplicate-anchor", "inv-duplicate-anchor.yml", "a3-pd", ("duplicate anchor 'x'",)),
+    Case("nul-escape", "inv-nul-escape.yml", "a3-pd", ("all.hosts.a3-p.kimi_engine_command", "NUL"), at="a3-p:"),
+    Case("ansible-host-octet-256", _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "ansible_host": "10.0.0.256",
+                                                                   "kimi_host_ip": "10.0.0.2"}}),
+         "a3-pd", ("host a3-d", "ansible_host", "'10.0.0.256' is not a valid IPv4 address")),
+    Case("ansible-host-octal", _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "ansible_host": "10.0.0.010",
+                                                               "kimi_host_ip": "10.0.0.2"}}),
+         "a3-pd", ("host a3-d", "'10.0.0.010' is not a valid IPv4 address", "leading zeros")),
+    Case("device-ip-is-a-business-address",
+         _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "kimi_device_ips": ["10.0.0.1", *(f"10.9.0.{i}" for i in range(15))]}}),
+         "a3-pd", ("host a3-d", "device IP 10.0.0.1 is host a3-p's business address")),
+    Case("draft-dir-is-model-dir", _inv({"kimi_draft_model_dir": "/data/models/Kimi-K2.5-W4A8"},
+                                        {"a3-p": A3P, "a3-d": A3D}),
+         "a3-pd", ("kimi_draft_model_dir /data/models/Kimi-K2.5-W4A8 and kimi_model_dir", "overlap"),
+         at="kimi_draft_model_dir:"),
+    Case("endpoint-port-out-of-range", _inv({"kimi_model_endpoint": "http://mirror.example.com:99999"},
+                                            {"a3-p": A3P, "a3-d": A3D}),
+         "a3-pd", ("kimi_model_endpoint", "port 99999 is not a TCP port")),
+    Case("image-repo-port-out-of-range", _inv({"kimi_image_repo": "registry.example.internal:99999/ascend/vllm"},
+                                              {"a3-p": A3P, "a3-d": A3D}),
+         "a3-pd", ("kimi_image_repo", "port 99999 is not a TCP port")),
+    Case("revision-dotdot", _inv({"kimi_model_revision": "v1/../../etc"}, {"a3-p": A3P, "a3-d": A3D}), "a3-pd",
+         ("kimi_model_revision", "'..'")),
+    Case("version-bare-major", _inv({"kimi_vllm_ascend_version": "0"}, {"a3-p": A3P, "a3-d": A3D}), "a3-pd",
+         ("kimi_vllm_ascend_version", "unsupported vllm-ascend version '0'")),
+    Case("engine-command-config-flag", _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "kimi_engine_command":
+                                                                           "vllm --config /etc/x.yaml"}}),
+         "a3-pd", ("host a3-d", "kimi_engine_command passes --config", "reads more flags from a file")),
     # --- addresses that name no single host, SSH options nobody can read (issue 27) ------------------------------
     Case("ansible-host-unspecified", _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "ansible_host": "0.0.0.0"}}), "a3-pd",
          ("host a3-d", "ansible_host", "'0.0.0.0' is the unspecified address"), at="ansible_host: 0.0.0.0"),
@@ -656,3 +695,17 @@ def test_unreachable_hosts_are_one_line_each_never_a_traceback(unreachable_hosts
     assert "SSH protocol banner" in lines["h-garbage"][0]
     assert "reset" in lines["h-reset"][0].lower()
     assert f"cannot read {d}/missing_key: No such file or directory" in lines["h-keyfile"][0]
+
+
+@pytest.mark.parametrize("which", ["inventory", "topology"])
+def test_a_fifo_nobody_writes_is_refused_at_once(tmp_path: Path, which: str) -> None:
+    """Opening a FIFO for reading waits for a writer: kimictl must not (issue 27's corpus: a hang)."""
+    import os
+
+    fifo = tmp_path / "x.yml"
+    os.mkfifo(fifo)
+    args = ["-i", str(fifo), "--topology", "a3-pd"] if which == "inventory" else \
+        ["-i", str(BAD / "good-a3-2.yml"), "--topology", str(fifo)]
+    result = _invoke(["validate", *args])
+    assert result.exit_code == EXIT_INVALID, result.output
+    assert f"{which} {fifo}: it is not a regular file" in result.stderr

@@ -447,8 +447,10 @@ def test_token_file_must_be_private(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(("make", "why"), [
     (lambda p: p.mkdir(mode=0o700), "is not a regular file"),
-    (lambda p: p.write_text("") or p.chmod(0o600), "is empty"),
+    (lambda p: (p.write_text(""), p.chmod(0o600)), "is empty"),
     (lambda p: None, "No such file"),
+    (lambda p: (p.write_text("tok1\ntok2\n"), p.chmod(0o600)), "holds 2 words or lines"),
+    (lambda p: (p.write_text("t" * (2 << 20)), p.chmod(0o600)), "not a key or token"),
 ])
 def test_token_file_that_holds_no_token_is_named(tmp_path, make, why):
     f = tmp_path / "tok"
