@@ -21,6 +21,7 @@ import os
 import shlex
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -75,8 +76,11 @@ class Holder:
 
     @classmethod
     def me(cls, command: str) -> Holder:
-        return cls(socket.gethostname(), getpass.getuser(), os.getpid(), command,
-                   datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):   # a CI container's uid without a passwd entry
+            user = f"uid {os.getuid()}"
+        return cls(socket.gethostname(), user, os.getpid(), command, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
     def to_json(self) -> dict[str, Any]:
         return {"hostname": self.hostname, "user": self.user, "pid": self.pid, "command": self.command,
@@ -148,8 +152,13 @@ class SshLink:
             return ""
 
     def close(self) -> None:
+        """End the script (EOF on its stdin) and give it a moment to exit, so the lease is free when this returns
+        (a next command right after this one finds it free, not held by a script still on its way out)."""
         with contextlib.suppress(Exception):
             self.chan.shutdown_write()
+            deadline = time.monotonic() + 5.0
+            while not self.chan.exit_status_ready() and time.monotonic() < deadline:
+                time.sleep(0.02)
         with contextlib.suppress(Exception):
             self.chan.close()
         self.session.close()

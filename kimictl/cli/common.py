@@ -87,7 +87,7 @@ def cluster_lease(inv: Any, command: str, wait: float, accept_new_host_keys: boo
 
     def on_wait(holder: Any) -> None:
         err.print(f"waiting up to {wait:g}s for the cluster lease: {holder.text()} holds it", highlight=False,
-                  markup=False)
+                  markup=False, soft_wrap=True)
 
     with lease.held(inv, command, wait=wait, accept_new_keys=accept_new_host_keys, on_wait=on_wait):
         yield

@@ -184,7 +184,7 @@ def status_view(report: StatusReport) -> Group:
                              mon.state == "ready" else ""),
                           style="green" if mon.state == "ready" and not firing else "yellow"))
     if lease := report.lease:
-        parts.append(Text(f"lease: {lease_text(lease)} (lock host {lease.host})",
+        parts.append(Text(f"lease: {lease_text(lease)} (lock host {lease.host})", no_wrap=True, overflow="ignore",
                           style={"free": "green", "held": "yellow"}.get(lease.state, "bold red")))
     return Group(*parts)
 

@@ -392,7 +392,8 @@ def test_wait_waits_for_the_holder_then_runs(cluster: Path, tmp_path: Path, host
     finally:
         other.end()
     assert r.exit_code == 0, r.output
-    assert "waiting up to 60s for the cluster lease: `rollout` of alice@ci-runner-7" in r.stderr
+    assert ("waiting up to 60s for the cluster lease: `rollout` of alice@ci-runner-7 (pid 4242, since "
+            "2025-01-01T00:00:00Z) holds it\n") in r.stderr   # one line, however long (CI logs are searched)
     assert ran and released and ran[0] >= released[0]
     assert (tmp_path / "host-state" / "lease.lock").read_bytes() == b""   # given back when the command ended
 
