@@ -5,16 +5,7 @@ from __future__ import annotations
 import typer
 
 from kimictl.cli import common
-from kimictl.cli.common import (
-    HostKeysOpt,
-    InventoryOpt,
-    LimitOpt,
-    Output,
-    OutputOpt,
-    ReadyTimeoutOpt,
-    WaitOpt,
-    YesOpt,
-)
+from kimictl.cli.common import HostKeysOpt, InventoryOpt, LimitOpt, Output, OutputOpt, ReadyTimeoutOpt, YesOpt
 
 
 @common.handle_errors
@@ -22,7 +13,7 @@ def stop(
     inventory: InventoryOpt,
     limit: LimitOpt = None,
     yes: YesOpt = False,
-    wait: WaitOpt = 0.0,
+    wait: common.WaitOpt = 0.0,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -51,7 +42,7 @@ def start(
     limit: LimitOpt = None,
     yes: YesOpt = False,
     ready_timeout: ReadyTimeoutOpt = None,
-    wait: WaitOpt = 0.0,
+    wait: common.WaitOpt = 0.0,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:

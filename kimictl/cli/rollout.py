@@ -54,6 +54,7 @@ def rollout(
 
     say, on_event = common.reporters("rollout", events=("failed", "unreachable"))
     ro = Rollout(inputs, opts, say, on_event)
+    ro.check_inputs()   # a change that cannot be rolled out is refused before the lease and the hosts
     if not check:
         common.confirm_or_yes(f"Roll {', '.join(s.raw for s in inputs.sets) or inputs.topology.name} out to "
                               f"{inputs.inventory.cluster.name} (release {inputs.record.release} -> {ro.release})?",
