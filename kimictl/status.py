@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kimictl import ascend, health
+from kimictl import ascend, health, lease
 from kimictl.cluster_secrets import engine_api_key, proxy_admin_key, proxy_api_key
 from kimictl.errors import guide
 from kimictl.facts import engine_profile
@@ -132,6 +132,25 @@ class Monitoring(StatusPart):
     alerts_firing: list[str]
 
 
+class LeaseHolder(StatusPart):
+    """Who holds the cluster lease, as the record on the lock host names them."""
+
+    hostname: str
+    user: str
+    pid: int | None
+    command: str
+    since: str
+
+
+class LeaseStatus(StatusPart):
+    """The cluster lease (kimictl/lease.py) on its lock host: free, held (with the holder), or unknown (why)."""
+
+    host: str
+    state: Literal["free", "held", "unknown"]
+    holder: LeaseHolder | None = None
+    detail: str | None = None
+
+
 class StatusReport(StatusPart):
     """The `status --output json` document of docs/contract.md (schema_version 1); the text view reads it too."""
 
@@ -146,6 +165,7 @@ class StatusReport(StatusPart):
     drift: list[Drift]
     monitoring: Monitoring | None
     at: str
+    lease: LeaseStatus | None = None  # set when the lock host was probed (kimictl/lease.py)
     heal: dict[str, Any] | None = None  # `status --heal`: the heal round's own document (heal --output json)
 
 
@@ -153,7 +173,16 @@ class StatusReport(StatusPart):
 
 
 def _probe(inv: Inventory, timeout: float) -> dict[str, Any]:
+    """Per host: its manifest, supervised processes, HBM use and front state; the lock host's also the lease."""
+    lock = lease.lock_host(inv).name
+
     def one(name: str, s) -> dict[str, Any]:
+        got = host_probe(name, s)
+        if name == lock:
+            got["lease"] = lease.peek_on(s, inv.host(name), timeout)
+        return got
+
+    def host_probe(name: str, s) -> dict[str, Any]:
         sd = inv.host(name).kimi_state_dir
         out = s.run(f"cat {sd}/current/manifest.json 2>/dev/null || echo null; echo '@@kimi'; "
                     f"if [ -f {sd}/bin/supervisor.py ]; then python3 {sd}/bin/supervisor.py status --run-dir "
@@ -193,7 +222,8 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
     """The `status --output json` document of docs/contract.md (schema_version 1): the hosts' probe, then each
     process's readiness over HTTP, the P/D pair, the routers' membership, and the cluster's state from all of it."""
     record = recorded_release(inv.cluster.name)  # a damaged record: exit 2 before any host is contacted
-    seen = _Seen.of(inv, _probe(inv, timeout), record)
+    probes = _probe(inv, timeout)
+    seen = _Seen.of(inv, probes, record)
     api_key = proxy_api_key(inv)
     engine_keys = {pd: engine_api_key(inv, pd) for pd in (True, False)}  # the key engines require, P/D or not
     _judge_readiness(seen, api_key, engine_keys)
@@ -208,7 +238,19 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
                         state=_cluster_state(seen, pairs), served_model_name=seen.served,
                         release=record.release if record else None, engines=seen.engines, proxy=proxy, pairs=pairs,
                         drift=seen.drift, monitoring=None if mon is None else Monitoring(**mon),
-                        at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                        at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        **_lease(inv, probes))
+
+
+def _lease(inv: Inventory, probes: dict[str, Any]) -> dict[str, Any]:
+    """{"lease": LeaseStatus} from the lock host's probe ({} when the probe did not look, so the key stays out)."""
+    host = lease.lock_host(inv).name
+    got = probes.get(host)
+    if isinstance(got, SSHError):
+        return {"lease": LeaseStatus(host=host, state="unknown", detail=str(got))}
+    if not isinstance(got, dict) or "lease" not in got:
+        return {}
+    return {"lease": LeaseStatus(host=host, **got["lease"])}
 
 
 def _supervised(sup: dict[str, Any] | None) -> ProcessState:

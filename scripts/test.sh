@@ -19,7 +19,8 @@ run_pytest -q ${MARKERS:+-m "$MARKERS"} "$@"
 # Host-side code runs on the hosts' own python3, down to the host Python floor (kimictl.HOST_PYTHON_FLOOR): its
 # tests run again with that interpreter starting the host code (KIMICTL_HOST_PYTHON).
 host_tests=(tests/unit/test_supervisor.py tests/unit/test_proxy_front.py tests/unit/test_weights_agent.py
-            tests/unit/test_engine_sim.py tests/unit/test_doubles.py tests/unit/test_reserve_ports.py)
+            tests/unit/test_engine_sim.py tests/unit/test_doubles.py tests/unit/test_reserve_ports.py
+            tests/unit/test_lease.py)
 if [ -n "$FLOOR_PYTHON" ]; then
   echo "test.sh: host-side tests with $FLOOR_PYTHON ($("$FLOOR_PYTHON" -V 2>&1))" >&2
   KIMICTL_HOST_PYTHON="$FLOOR_PYTHON" run_pytest -q -n 2 "${host_tests[@]}"

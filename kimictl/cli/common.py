@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -40,6 +41,9 @@ TokenFileOpt = Annotated[Path | None, typer.Option(
     "--token-file", help="Hub token file (mode 0600). Default: MODELSCOPE_API_TOKEN / HF_TOKEN from the environment.")]
 SkipPreflightOpt = Annotated[str | None, typer.Option("--skip-preflight", metavar="REASON",
                                                       help="Skip preflight; the reason is printed.")]
+WaitOpt = Annotated[float, typer.Option(
+    "--wait", metavar="SECONDS", min=0.0, help="When another command holds the cluster lease, wait up to SECONDS for "
+                                               "it (default: exit 2 at once, naming the holder).")]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -67,6 +71,26 @@ def confirm_or_yes(question: str, yes: bool) -> None:
         return
     raise InvalidInput(f"no terminal to confirm on: {question[0].lower()}{question[1:].rstrip('?')} needs --yes; "
                        "nothing was changed", hint="add --yes to run it unattended (CI, scripts)")
+
+
+@contextlib.contextmanager
+def cluster_lease(inv: Any, command: str, wait: float, accept_new_host_keys: bool, *, check: bool = False):
+    """Hold the cluster lease (kimictl/lease.py) around the part of a command that changes hosts: exit 2 naming
+    the holder when another command holds it (after --wait). `inv` is the whole inventory, not a --limit of it.
+    `check`: the command only shows what it would change, so it takes no lease."""
+    if check:
+        yield
+        return
+    from kimictl import lease
+
+    err = stderr_console()
+
+    def on_wait(holder: Any) -> None:
+        err.print(f"waiting up to {wait:g}s for the cluster lease: {holder.text()} holds it", highlight=False,
+                  markup=False, soft_wrap=True)
+
+    with lease.held(inv, command, wait=wait, accept_new_keys=accept_new_host_keys, on_wait=on_wait):
+        yield
 
 
 def reporters(verb: str, events: tuple[str, ...] = ("changed", "failed", "unreachable")):

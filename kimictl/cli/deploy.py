@@ -17,6 +17,7 @@ from kimictl.cli.common import (
     SkipPreflightOpt,
     TokenFileOpt,
     TopologyOpt,
+    WaitOpt,
     YesOpt,
 )
 
@@ -33,6 +34,7 @@ def deploy(
     skip_weights: Annotated[bool, typer.Option("--skip-weights", help="Do not stage weights.")] = False,
     token_file: TokenFileOpt = None,
     ready_timeout: ReadyTimeoutOpt = None,
+    wait: WaitOpt = 0.0,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -54,7 +56,8 @@ def deploy(
     say, on_event = common.reporters("deploy")
     opts = DeployOptions(check=check, skip_preflight=skip_preflight, limit=limit, ready_timeout=ready_timeout,
                          accept_new_host_keys=accept_new_host_keys, skip_weights=skip_weights, hub_token=token)
-    result = Deployer(p.inventory, p.plan, rendered, opts, say, on_event).run()
+    with common.cluster_lease(p.inventory, "deploy", wait, accept_new_host_keys, check=check):
+        result = Deployer(p.inventory, p.plan, rendered, opts, say, on_event).run()
     diffs = change_diffs(p.inventory, rendered, result.changes) if check and diff else {}
     if output == Output.json:
         common.emit_json({**result.to_json(), "diffs": diffs})
@@ -81,6 +84,7 @@ def rollback(
     yes: YesOpt = False,
     skip_preflight: SkipPreflightOpt = None,
     ready_timeout: ReadyTimeoutOpt = None,
+    wait: WaitOpt = 0.0,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -96,7 +100,8 @@ def rollback(
     say, on_event = common.reporters("rollback")
     opts = DeployOptions(skip_preflight=skip_preflight, ready_timeout=ready_timeout,
                          accept_new_host_keys=accept_new_host_keys)
-    result = Deployer(inv, rendered.plan, rendered, opts, say, on_event).run()
+    with common.cluster_lease(inv, "rollback", wait, accept_new_host_keys):
+        result = Deployer(inv, rendered.plan, rendered, opts, say, on_event).run()
     if output == Output.json:
         common.emit_json(result.to_json())
     else:

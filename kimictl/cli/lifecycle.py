@@ -13,6 +13,7 @@ def stop(
     inventory: InventoryOpt,
     limit: LimitOpt = None,
     yes: YesOpt = False,
+    wait: common.WaitOpt = 0.0,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -20,10 +21,12 @@ def stop(
     from kimictl import lifecycle
     from kimictl.inventory import load_inventory
 
-    inv = load_inventory(inventory).limited(limit)
+    whole = load_inventory(inventory)
+    inv = whole.limited(limit)
     common.confirm_or_yes(f"Stop every engine and the proxy on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
     say, on_event = common.reporters("stop")
-    res = lifecycle.stop(inv, say=say, on_event=on_event, accept_new_host_keys=accept_new_host_keys)
+    with common.cluster_lease(whole, "stop", wait, accept_new_host_keys):
+        res = lifecycle.stop(inv, say=say, on_event=on_event, accept_new_host_keys=accept_new_host_keys)
     if output == Output.json:
         common.emit_json(res.to_json())
         return
@@ -39,6 +42,7 @@ def start(
     limit: LimitOpt = None,
     yes: YesOpt = False,
     ready_timeout: ReadyTimeoutOpt = None,
+    wait: common.WaitOpt = 0.0,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -46,11 +50,13 @@ def start(
     from kimictl import lifecycle
     from kimictl.inventory import load_inventory
 
-    inv = load_inventory(inventory).limited(limit)
+    whole = load_inventory(inventory)
+    inv = whole.limited(limit)
     common.confirm_or_yes(f"Start the current release on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
     say, on_event = common.reporters("start")
-    res = lifecycle.start(inv, say=say, on_event=on_event, ready_timeout=ready_timeout,
-                          accept_new_host_keys=accept_new_host_keys)
+    with common.cluster_lease(whole, "start", wait, accept_new_host_keys):
+        res = lifecycle.start(inv, say=say, on_event=on_event, ready_timeout=ready_timeout,
+                              accept_new_host_keys=accept_new_host_keys)
     if output == Output.json:
         common.emit_json(res.to_json())
         return

@@ -14,6 +14,8 @@ from kimictl.cli.common import (
     Output,
     OutputOpt,
     TopologyOpt,
+    WaitOpt,
+    cluster_lease,
     emit_json,
     handle_errors,
     reporters,
@@ -72,6 +74,7 @@ def up_cmd(
     prefix: PrefixOpt = None,
     ready_timeout: Annotated[float, typer.Option(
         "--scrape-timeout", help="Seconds to wait for Prometheus to scrape every target once.")] = 120.0,
+    wait: WaitOpt = 0.0,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -103,8 +106,9 @@ def up_cmd(
     from kimictl.observe_up import observe_up
 
     say, on_event = reporters("observe")
-    res = observe_up(p.plan, p.inventory, r, say=say, on_event=on_event, ready_timeout=ready_timeout,
-                     accept_new_host_keys=accept_new_host_keys)
+    with cluster_lease(p.inventory, "observe up", wait, accept_new_host_keys):
+        res = observe_up(p.plan, p.inventory, r, say=say, on_event=on_event, ready_timeout=ready_timeout,
+                         accept_new_host_keys=accept_new_host_keys)
     if output == Output.json:
         emit_json(res.to_json())
     else:

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kimictl.cli import common
-from kimictl.cli.common import HostKeysOpt, InventoryOpt, Output, OutputOpt, ReadyTimeoutOpt, YesOpt
+from kimictl.cli.common import HostKeysOpt, InventoryOpt, Output, OutputOpt, ReadyTimeoutOpt, WaitOpt, YesOpt
 
 
 @common.handle_errors
@@ -39,6 +39,7 @@ def rollout(
         "--router", metavar="URL", help="Another router in front of the same engines (repeatable); it must add "
                                         "workers at runtime (vllm-router --enable-igw).")] = None,
     ready_timeout: ReadyTimeoutOpt = None,
+    wait: WaitOpt = 0.0,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -53,11 +54,13 @@ def rollout(
 
     say, on_event = common.reporters("rollout", events=("failed", "unreachable"))
     ro = Rollout(inputs, opts, say, on_event)
+    ro.check_inputs()   # a change that cannot be rolled out is refused before the lease and the hosts
     if not check:
         common.confirm_or_yes(f"Roll {', '.join(s.raw for s in inputs.sets) or inputs.topology.name} out to "
                               f"{inputs.inventory.cluster.name} (release {inputs.record.release} -> {ro.release})?",
                               yes)
-    result = ro.run()
+    with common.cluster_lease(inputs.inventory, "rollout", wait, accept_new_host_keys, check=check):
+        result = ro.run()
     if output == Output.json:
         common.emit_json(result.to_json())
         return

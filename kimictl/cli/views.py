@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from kimictl.plan import Plan
     from kimictl.preflight import PreflightReport
     from kimictl.render import Rendered
-    from kimictl.status import Quantiles, StatusReport
+    from kimictl.status import LeaseStatus, Quantiles, StatusReport
     from kimictl.topology import Topology
 
 
@@ -183,4 +183,16 @@ def status_view(report: StatusReport) -> Group:
                           + (f", firing {', '.join(firing)}" if firing else ", no alert firing" if
                              mon.state == "ready" else ""),
                           style="green" if mon.state == "ready" and not firing else "yellow"))
+    if lease := report.lease:
+        parts.append(Text(f"lease: {lease_text(lease)} (lock host {lease.host})", no_wrap=True, overflow="ignore",
+                          style={"free": "green", "held": "yellow"}.get(lease.state, "bold red")))
     return Group(*parts)
+
+
+def lease_text(lease: LeaseStatus) -> str:
+    from kimictl.lease import Holder
+
+    if lease.state == "held":
+        return f"held by {Holder.of(lease.holder and lease.holder.model_dump()).text()}"
+    return lease.state if lease.state != "unknown" else f"unknown: {lease.detail or ''}"
+

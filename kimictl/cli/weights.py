@@ -16,6 +16,8 @@ from kimictl.cli.common import (
     Output,
     OutputOpt,
     TokenFileOpt,
+    WaitOpt,
+    cluster_lease,
     emit_json,
     handle_errors,
     stderr_console,
@@ -141,6 +143,7 @@ def pull(
     full: Annotated[bool, typer.Option("--full", help="Re-hash files already verified (ignore stamps).")] = False,
     token_file: TokenFileOpt = None,
     limit: LimitOpt = None,
+    wait: WaitOpt = 0.0,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,
 ) -> None:
@@ -149,14 +152,16 @@ def pull(
     from kimictl.weights.stage import PullOptions, read_token
     from kimictl.weights.stage import pull as do_pull
 
-    inv = load_inventory(inventory).limited(limit)
+    whole = load_inventory(inventory)
+    inv = whole.limited(limit)
     opts = PullOptions(mode=mode, streams=streams, full=full, source_dir=source_dir,
                        accept_new_host_keys=accept_new_host_keys,
                        token=read_token(inv.cluster.kimi_model_source, token_file))
     rep = CliReporter()
     t0 = time.monotonic()
     try:
-        result = do_pull(inv, opts, rep)
+        with cluster_lease(whole, "weights pull", wait, accept_new_host_keys):
+            result = do_pull(inv, opts, rep)
     finally:
         rep.stop()
     if output == Output.text and result.changed:

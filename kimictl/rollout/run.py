@@ -148,6 +148,10 @@ class Rollout:
                                hint="add --allow-proxy-restart to accept that, or leave the proxy settings alone")
         return a, first, batches, notes
 
+    def check_inputs(self) -> None:
+        """Refuse a change that cannot be rolled out before any host is contacted (the cluster lease included)."""
+        self._prepare()
+
     def _observe_and_check(self) -> None:
         """The cluster must run exactly the recorded release, every endpoint must answer, the routers must too."""
         self.observed = self.ops.observe()
