@@ -32,7 +32,7 @@ import functools
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -47,6 +47,7 @@ from kimictl.errors import EXIT_DEGRADED, EXIT_FAILED, EXIT_OK, HostError, Inval
 from kimictl.facts import DATA_DIR
 from kimictl.hostops import HostObservation, HostOps, Proc, desired_procs, exit_text
 from kimictl.inventory import Inventory
+from kimictl.lease import try_hold
 from kimictl.render import Rendered
 from kimictl.routers import AscendProxyAdmin, FrontControl, RouterAdmin, RouterError
 from kimictl.slices.model import Endpoint, Slice
@@ -147,8 +148,10 @@ class HealResult:
 
     @property
     def exit_code(self) -> int:
-        """0 healthy or healed; 3 actions pending (--dry-run); 1 an action failed or the run escalated."""
-        return {"healthy": EXIT_OK, "healed": EXIT_OK, "planned": EXIT_DEGRADED}.get(self.result, EXIT_FAILED)
+        """0 healthy or healed; 3 actions pending (--dry-run, or deferred while another command held the cluster
+        lease); 1 an action failed or the run escalated."""
+        return {"healthy": EXIT_OK, "healed": EXIT_OK, "planned": EXIT_DEGRADED,
+                "deferred": EXIT_DEGRADED}.get(self.result, EXIT_FAILED)
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": HEAL_SCHEMA_VERSION, "cluster": self.cluster, "release": self.release,
@@ -188,7 +191,8 @@ class Healer:
                  ops: HostOps | None = None, http: Any = health, router: Callable[..., RouterAdmin] = RouterAdmin,
                  instances: Callable[..., AscendProxyAdmin] = AscendProxyAdmin,
                  front: Callable[..., FrontControl] = FrontControl, clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep,
+                 hold: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None):
         inv, rendered = inputs.inventory, inputs.rendered
         if rendered.plan.mode != "pd" or rendered.proxy is None:
             raise InvalidInput(f"cluster {rendered.plan.cluster} runs topology {rendered.plan.topology} "
@@ -200,6 +204,8 @@ class Healer:
                                   http=http)
         self.record, self.rendered, self.opts, self.say, self.http = inputs.record, rendered, opts, say, http
         self.clock, self.sleep = clock, sleep
+        # the cluster lease, taken per action (kimictl.lease.try_hold: never waits, says who holds it)
+        self.hold = hold or (lambda command: try_hold(inv, command, accept_new_keys=opts.accept_new_host_keys))
         self.cluster, self.served_model_name = rendered.plan.cluster, rendered.plan.served_model_name
         self.procs: dict[str, Proc] = {p.id: p for p in desired_procs(rendered, inv)}
         self.observed: dict[str, HostObservation] = {}
@@ -428,10 +434,18 @@ class Healer:
 
     # --- acting --------------------------------------------------------------------------------------
 
-    def lease(self, a: Action) -> contextlib.AbstractContextManager[None] | None:
-        """The cluster lease for one action (issue 34), or None when another command holds it: the action is then
-        skipped, saying so. The seam where heal takes the lease; until the lease exists, nothing to take."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def lease(self, a: Action) -> Iterator[str | None]:
+        """The cluster lease for one action, held while the block runs: yields None when it is ours, else why not
+        (another command holds it, or its lock host does not answer): the action is then skipped, saying so."""
+        stack = contextlib.ExitStack()
+        try:
+            got = stack.enter_context(self.hold(f"heal {a.slice}: {', '.join(a.steps)}"))
+            busy = None if got.ours else f"{got.holder.text()} holds the cluster lease"
+        except KimictlError as exc:   # the lock host does not answer: no lease, no action
+            busy = f"the cluster lease cannot be taken ({exc.message})"
+        with stack:
+            yield busy
 
     def act(self, actions: list[Action], findings: list[Finding]) -> dict[str, Any] | None:
         """Heal slice after slice; the first failure stops the run (the rest stay planned). Returns the proxy gate
@@ -446,12 +460,11 @@ class Healer:
         for a in actions:
             if a.result != "planned":
                 continue
-            lease = self.lease(a)
-            if lease is None:
-                a.result, a.note = "skipped", "another command holds the cluster lease: not acting now"
-                self.say(f"{a.slice}: {a.note}")
-                continue
-            with lease:
+            with self.lease(a) as busy:
+                if busy:
+                    a.result, a.note = "skipped", f"not acting now: {busy}"
+                    self.say(f"{a.slice}: {a.note}")
+                    continue
                 self._act_one(a, pending, findings)
             pending.discard(a.slice)
             if "readd" in a.steps:
@@ -534,7 +547,8 @@ class Healer:
             except KimictlError as exc:
                 res.result, res.error = "failed", exc.render()
                 return res
-            res.result = "escalated" if res.escalations else "healed"
+            skipped = any(a.result == "skipped" for a in res.actions)   # the lease was another command's
+            res.result = "escalated" if res.escalations else "deferred" if skipped else "healed"
             return res
         finally:
             res.seconds = round(time.monotonic() - t0, 2)

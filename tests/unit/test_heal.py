@@ -5,6 +5,7 @@ test_orchestration (they record what was asked and keep the supervisor's view of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from kimictl.cli.main import app
 from kimictl.errors import HostError, InvalidInput, StateError
 from kimictl.heal import Healer, HealInputs, HealOptions, prepare_heal
 from kimictl.hostops import desired_procs
+from kimictl.lease import Attempt, Holder
 from kimictl.plan import make_plan
 from kimictl.render import render
 from kimictl.rundir import save_run
@@ -123,9 +125,11 @@ def _cluster(tmp_path: Path, hosts: int = 4, opts: HealOptions | None = None, cl
         # a short hang deadline: a drain gives up on requests stuck that long (real time)
         o = o or opts or HealOptions.resolve(drain_quiet=0.0, drain_timeout=5.0, hang_deadline=0.5)
         return Healer(HealInputs(inv, rec, rendered), o, lambda m: None, ops=ops, http=http, instances=instances,
-                      front=lambda url, api_key=None, http=None: front, clock=lambda: clock, sleep=lambda s: None)
+                      front=lambda url, api_key=None, http=None: front, clock=lambda: clock, sleep=lambda s: None,
+                      hold=make.hold)
 
     make.http, make.copies, make.front = http, copies, front
+    make.hold = free_lease
     return make, ops, rendered, log
 
 
@@ -419,6 +423,12 @@ def test_heal_stands_beside_the_rollout_and_imports_none_of_it() -> None:
     assert out.strip() == ""
 
 
+@contextlib.contextmanager
+def free_lease(command: str):
+    """The cluster lease, free: taken for the action (kimictl.lease.try_hold without a lock host)."""
+    yield Attempt(True, Holder(command=command))
+
+
 def test_heal_needs_a_pd_cluster(tmp_path: Path) -> None:
     inv = _inventory(tmp_path, 1)
     topo = load_topology("a3-colocated")
@@ -544,3 +554,32 @@ def test_a_host_error_while_reading_the_hosts_is_exit_1(tmp_path: Path, monkeypa
     monkeypatch.setattr(ops, "observe", unreachable)
     res = _cli(monkeypatch, make, "-i", str(tmp_path / "inv.yml"), "--once")
     assert res.exit_code == 1 and "atlas-02" in res.output and "Traceback" not in res.output
+
+
+def test_heal_takes_the_lease_per_action_and_skips_while_another_command_holds_it(tmp_path) -> None:
+    """Issue 34: a heal action runs only under the cluster lease; held by a rollout (or its lock host silent),
+    the action is skipped, saying who holds it, and nothing restarts."""
+    make, ops, rendered, _ = _cluster(tmp_path)
+    p1 = _engines(rendered, "prefill-1")
+    _set(ops, p1[:1], state="failed", last_exit={"code": 1})
+    taken: list[str] = []
+
+    @contextlib.contextmanager
+    def held(command: str):
+        taken.append(command)
+        yield Attempt(False, Holder(hostname="ci-7", user="ci", pid=42, command="kimictl rollout"))
+
+    make.hold = held
+    res = make().run()
+    assert taken == ["heal prefill-1: " + ", ".join(res.actions[0].steps)]
+    assert res.actions[0].result == "skipped" and "ci-7" in res.actions[0].note and "holds the cluster lease" in \
+        res.actions[0].note
+    assert _restarted(ops) == [] and (res.result, res.exit_code) == ("deferred", 3)
+
+    def unreachable(command: str):
+        raise HostError("cannot reach the lock host", host="a3-node-01", step="lease")
+
+    make.hold = unreachable
+    res = make().run()
+    assert res.actions[0].result == "skipped" and "cannot reach the lock host" in res.actions[0].note
+    assert _restarted(ops) == []
