@@ -208,6 +208,9 @@ def memory_fit(role: str, hw: Hardware, dp: int, tp: int, serve: dict[str, Any],
     if kv <= 0:
         reason = (f"weights {weights / GIB:.1f} GiB + reserve {(reserve + activation + draft) / GIB:.1f} GiB per NPU "
                   f"exceed the usable {usable / GIB:.1f} GiB ({hw.hbm_mib // 1024} GiB x {util:.2f})")
+        if "HCCL_BUFFSIZE" in env and m.hccl_buffers:  # the topology's env sizes part of the reserve: say how much
+            reason += (f"; the reserve holds {m.hccl_buffers} HCCL buffers of env HCCL_BUFFSIZE {buff} MiB "
+                       f"({m.hccl_buffers * buff * MIB / GIB:.1f} GiB)")
     elif tokens < max_len:
         reason = (f"KV cache holds {tokens} tokens per DP rank, less than one sequence of max-model-len {max_len}")
     return MemoryFit(
@@ -574,7 +577,7 @@ def _fit_roles(inv: Inventory, topo: Topology, hw: Hardware, ver: VersionProfile
             raise PlanError(
                 f"role {role} does not fit in HBM (estimate): {fit.reason}",
                 details=fit_lines(fit), hint="use more NPUs per instance (larger DP x TP, more hosts) "
-                "or lower max-model-len")
+                "or lower max-model-len" + (" or HCCL_BUFFSIZE" if "HCCL_BUFFSIZE" in fit.reason else ""))
         if per_node < hw.npus:
             warnings.append(f"{role}: uses {per_node} of {hw.npus} NPUs per host")
     if topo.mode == "pd":

@@ -6,7 +6,16 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from kimictl.errors import TopologyError, did_you_mean
 from kimictl.facts import DATA_DIR, hardware_catalogue, switch_rules
@@ -24,6 +33,8 @@ RESERVED_FLAGS = {
     "tensor-parallel-size", "kv-transfer-config", "served-model-name", "allowed-local-media-path",
     "speculative-config", "model", "config",
 }
+# Flags that make vLLM print something and exit 0 instead of serving: every engine would restart in a loop.
+EXIT_FLAGS = {"help": "its usage", "version": "its version"}
 _FLAG = re.compile(r"[a-z0-9][a-z0-9-]*")
 _NUMBER = re.compile(r"-(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 
@@ -39,13 +50,25 @@ SERVE_TYPES: dict[str, tuple[Any, str]] = {
     "max-model-len": (_positive_int, "a positive integer (tokens)"),
     "max-num-batched-tokens": (_positive_int, "a positive integer"),
     "max-num-seqs": (_positive_int, "a positive integer"),
-    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32,
+             "an integer from 0 to 4294967295 (vLLM seeds numpy with it)"),
     "additional-config": (lambda v: isinstance(v, dict), "a mapping (it is rendered as JSON)"),
     "compilation-config": (lambda v: isinstance(v, dict), "a mapping (it is rendered as JSON)"),
 }
 # Env values kimictl reads: HCCL_BUFFSIZE sizes the reserve in the HBM fit.
 ENV_TYPES = {"HCCL_BUFFSIZE": (lambda v: v.isascii() and v.isdigit() and int(v) > 0,
                                "a positive integer number of MiB")}
+# Env kimictl sets itself for each engine (kimictl/render.py engine_env, templates/engine.sh.j2): a topology's value
+# would be silently replaced, so it is refused. Name -> what kimictl sets it from.
+RESERVED_ENV = {
+    "ASCEND_RT_VISIBLE_DEVICES": "the NPUs the plan gives it",
+    "HCCL_IF_IP": "each host's business IP (kimi_host_ip or ansible_host)",
+    "VLLM_HOST_IP": "each host's business IP (kimi_host_ip or ansible_host)",
+    "HCCL_SOCKET_IFNAME": "each host's kimi_nic",
+    "GLOO_SOCKET_IFNAME": "each host's kimi_nic",
+    "TP_SOCKET_IFNAME": "each host's kimi_nic",
+    "VLLM_API_KEY": "the engines' API key it keeps for the cluster (a 0600 file on each host, never in a topology)",
+}
 _ENV = re.compile(r"[A-Z_][A-Z0-9_]*")
 ServeValue = bool | int | float | str | dict[str, Any] | list[Any]
 
@@ -126,7 +149,7 @@ class Speculative(_Strict):
     method: Literal["eagle3", "dflash"] = Field(
         "eagle3", description="eagle3 (K2.5's lightseekorg draft) or dflash (the K2.6/K2.7 recipes' z-lab drafter)")
     model_id: ModelId = Field(description="the draft's hub id (owner/name)")
-    num_speculative_tokens: dict[RoleName, int]
+    num_speculative_tokens: dict[RoleName, Annotated[int, Field(ge=1)]]
 
 
 class Slo(_Strict):
@@ -178,6 +201,15 @@ class Topology(_Strict):
             raise ValueError(f"unknown hardware '{v}'; expected one of {', '.join(hardware_catalogue())}")
         return v
 
+    @field_validator("speculative")
+    @classmethod
+    def _speculative_roles(cls, v: Speculative | None, info: ValidationInfo) -> Speculative | None:
+        roles = info.data.get("roles")
+        for role in v.num_speculative_tokens if v and roles else ():
+            if role not in roles:
+                raise ValueError(f"num_speculative_tokens names role '{role}', which this topology does not have "
+                                 f"(roles: {', '.join(roles)}); speculation would never apply")
+        return v
 
     @model_validator(mode="after")
     def _roles_match_mode(self) -> Topology:
@@ -203,12 +235,17 @@ def _check_env(v: dict[str, str]) -> dict[str, str]:
     for k, val in v.items():
         if not _ENV.fullmatch(k):
             raise ValueError(f"env name {k!r} must be upper-case letters, digits and '_' ({_ENV.pattern})")
+        if k in RESERVED_ENV:
+            raise ValueError(f"env '{k}' is set by kimictl for each engine from {RESERVED_ENV[k]}; remove it from "
+                             "the topology")
         if k in ENV_TYPES and not ENV_TYPES[k][0](val):
             raise ValueError(f"env '{k}' is '{val}'; it must be {ENV_TYPES[k][1]}")
     return v
 
 
 def _reserved_why(flag: str) -> str:
+    if flag in EXIT_FLAGS:
+        return f"makes vLLM print {EXIT_FLAGS[flag]} and exit 0 instead of serving (every engine would restart)"
     if flag == "config":
         return "reads more flags from a file on the host, where reserved ones could hide (set flags under serve)"
     return "is computed by kimictl from the plan"
@@ -220,10 +257,10 @@ def _check_serve(v: dict[str, ServeValue]) -> dict[str, ServeValue]:
             raise ValueError(f"serve flag '{k}': write it without leading dashes")
         if not _FLAG.fullmatch(k):
             raise ValueError(f"serve flag {k!r} must be lower-case words joined by '-'")
-        if k in RESERVED_FLAGS:
+        if k in RESERVED_FLAGS or k in EXIT_FLAGS:
             raise ValueError(f"serve flag '{k}' {_reserved_why(k)}; remove it from the topology")
         # vLLM's parser (argparse) takes any unambiguous prefix of a flag: --tensor-parallel is --tensor-parallel-size
-        abbreviates = sorted(r for r in RESERVED_FLAGS if r.startswith(k))
+        abbreviates = sorted(r for r in (*RESERVED_FLAGS, *EXIT_FLAGS) if r.startswith(k))
         if abbreviates:
             raise ValueError(f"serve flag '{k}' abbreviates '{abbreviates[0]}', which {_reserved_why(abbreviates[0])}; "
                              "remove it from the topology")

@@ -5,6 +5,7 @@ Pure: no hosts, no state. A bad key is an exit-2 error naming it, with a did-you
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kimictl.errors import InvalidInput, InventoryError, TopologyError, did_you_mean
@@ -189,8 +190,32 @@ def apply_sets(topo: Topology, inv: Inventory, sets: list[Setting]) -> tuple[Top
         except ValidationError as exc:
             raise InventoryError("--set makes the inventory invalid",
                                  details=[_blame(e, inv_sets) for e in exc.errors()]) from None
+        _cross_check(cluster, inv, inv_sets)
         new_inv = inv.model_copy(update={"cluster": cluster})
     return new_topo, new_inv
+
+
+def _cross_check(cluster: ClusterSettings, inv: Inventory, inv_sets: list[Setting]) -> None:
+    """The checks `validate` makes across an inventory's keys and hosts (proxy host an inventory host, API key file
+    private, directories apart ...), over the cluster keys as --set leaves them; a problem names its --set."""
+    from kimictl import inventory as inventory_mod
+
+    class _Errors(inventory_mod._Collector):
+        def err(self, line: int, msg: str) -> None:
+            self.errors.append(msg.removeprefix("all.vars: "))
+
+    class _Origins(dict):  # lines are not reported (err drops them): every key and host is at line 0
+        def __missing__(self, key: str) -> Any:
+            return inventory_mod._Origin(0, "all.vars")
+
+    c = _Errors(Path(inv.path))
+    c.all_origin = _Origins()
+    c.host_line = {h.name: 0 for h in inv.hosts}
+    inventory_mod._cross_checks(c, cluster, inv.hosts)
+    if c.errors:
+        raise InventoryError(f"--set makes inventory {inv.path} invalid", details=[
+            f"{', '.join(f'--set {s.raw}' for s in inv_sets if s.key in msg) or inv.path}: {msg}"
+            for msg in c.errors])
 
 
 def _blame(err: dict, sets: list[Setting]) -> str:
