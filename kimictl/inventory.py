@@ -647,6 +647,25 @@ def _host_checks(c: _Collector, cluster: ClusterSettings, h: Host, seen_addr: di
             seen_dev.setdefault(ip, h.name)
 
 
+def cross_check_errors(cluster: ClusterSettings, hosts: list[Host], path: Path) -> list[str]:
+    """The checks across the inventory's keys and hosts (`_cross_checks`) over settings made some other way (a
+    rollout's --set): the problems without file, line or `all.vars:`."""
+
+    class _Errors(_Collector):
+        def err(self, line: int, msg: str) -> None:
+            self.errors.append(msg.removeprefix("all.vars: "))
+
+    class _Origins(dict):   # lines are not reported (err drops them)
+        def __missing__(self, key: str) -> _Origin:
+            return _Origin(0, "all.vars")
+
+    c = _Errors(path)
+    c.all_origin = _Origins()
+    c.host_line = {h.name: 0 for h in hosts}
+    _cross_checks(c, cluster, hosts)
+    return c.errors
+
+
 def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) -> None:
     seen_addr: dict[str, str] = {}
     seen_dev: dict[str, str] = {}

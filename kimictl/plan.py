@@ -28,7 +28,7 @@ from kimictl.facts import (
 )
 from kimictl.inventory import Host, Inventory
 from kimictl.router_kinds import RouterKind, router_kind
-from kimictl.topology import RESERVED_FLAGS, FrontLimits, Role, Topology, _reserved_why
+from kimictl.topology import RESERVED_FLAGS, FrontLimits, Role, Topology, reserved_why
 
 HCCL_DEFAULT_BUFFSIZE_MIB = 200  # HCCL's own default when HCCL_BUFFSIZE is unset
 
@@ -500,7 +500,7 @@ def _check_engine_commands(inv: Inventory) -> None:
         for word in (h.kimi_engine_command or "").split():
             flag = word[2:].split("=", 1)[0] if word.startswith("--") else ""
             if flag in RESERVED_FLAGS or flag == "config":
-                raise PlanError(f"host {h.name}: kimi_engine_command passes --{flag}, which {_reserved_why(flag)}",
+                raise PlanError(f"host {h.name}: kimi_engine_command passes --{flag}, which {reserved_why(flag)}",
                                 hint="give kimi_engine_command the engine's command only; serve flags go in the "
                                      "topology's serve")
 

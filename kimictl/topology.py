@@ -243,7 +243,7 @@ def _check_env(v: dict[str, str]) -> dict[str, str]:
     return v
 
 
-def _reserved_why(flag: str) -> str:
+def reserved_why(flag: str) -> str:
     if flag in EXIT_FLAGS:
         return f"makes vLLM print {EXIT_FLAGS[flag]} and exit 0 instead of serving (every engine would restart)"
     if flag == "config":
@@ -258,11 +258,11 @@ def _check_serve(v: dict[str, ServeValue]) -> dict[str, ServeValue]:
         if not _FLAG.fullmatch(k):
             raise ValueError(f"serve flag {k!r} must be lower-case words joined by '-'")
         if k in RESERVED_FLAGS or k in EXIT_FLAGS:
-            raise ValueError(f"serve flag '{k}' {_reserved_why(k)}; remove it from the topology")
+            raise ValueError(f"serve flag '{k}' {reserved_why(k)}; remove it from the topology")
         # vLLM's parser (argparse) takes any unambiguous prefix of a flag: --tensor-parallel is --tensor-parallel-size
         abbreviates = sorted(r for r in (*RESERVED_FLAGS, *EXIT_FLAGS) if r.startswith(k))
         if abbreviates:
-            raise ValueError(f"serve flag '{k}' abbreviates '{abbreviates[0]}', which {_reserved_why(abbreviates[0])}; "
+            raise ValueError(f"serve flag '{k}' abbreviates '{abbreviates[0]}', which {reserved_why(abbreviates[0])}; "
                              "remove it from the topology")
         if isinstance(v[k], str) and v[k].startswith("-") and not _NUMBER.fullmatch(v[k]):
             raise ValueError(f"serve flag '{k}' is {v[k]!r}: a value starting with '-' would be read as another "

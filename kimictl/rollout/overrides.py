@@ -198,24 +198,13 @@ def apply_sets(topo: Topology, inv: Inventory, sets: list[Setting]) -> tuple[Top
 def _cross_check(cluster: ClusterSettings, inv: Inventory, inv_sets: list[Setting]) -> None:
     """The checks `validate` makes across an inventory's keys and hosts (proxy host an inventory host, API key file
     private, directories apart ...), over the cluster keys as --set leaves them; a problem names its --set."""
-    from kimictl import inventory as inventory_mod
+    from kimictl.inventory import cross_check_errors
 
-    class _Errors(inventory_mod._Collector):
-        def err(self, line: int, msg: str) -> None:
-            self.errors.append(msg.removeprefix("all.vars: "))
-
-    class _Origins(dict):  # lines are not reported (err drops them): every key and host is at line 0
-        def __missing__(self, key: str) -> Any:
-            return inventory_mod._Origin(0, "all.vars")
-
-    c = _Errors(Path(inv.path))
-    c.all_origin = _Origins()
-    c.host_line = {h.name: 0 for h in inv.hosts}
-    inventory_mod._cross_checks(c, cluster, inv.hosts)
-    if c.errors:
+    errors = cross_check_errors(cluster, inv.hosts, Path(inv.path))
+    if errors:
         raise InventoryError(f"--set makes inventory {inv.path} invalid", details=[
             f"{', '.join(f'--set {s.raw}' for s in inv_sets if s.key in msg) or inv.path}: {msg}"
-            for msg in c.errors])
+            for msg in errors])
 
 
 def _blame(err: dict, sets: list[Setting]) -> str:

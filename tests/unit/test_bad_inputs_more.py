@@ -165,7 +165,7 @@ SET_CASES: list[tuple[str, str, tuple[str, ...]]] = [
     ("proxy-host-ghost", "kimi_proxy_host=ghost", ("--set kimi_proxy_host=ghost", "'ghost' is not an inventory host")),
     ("monitor-host-typo", "kimi_monitor_host=atlas-1", ("--set kimi_monitor_host=atlas-1", "did you mean")),
     ("media-holds-model", "kimi_media_dir=/data/models",
-     ("--set kimi_media_dir=/data/models", "host atlas-01", "holds kimi_model_dir")),
+     ("--set kimi_media_dir=/data/models", "holds kimi_model_dir")),
     ("api-key-world-readable", "kimi_api_key_file={KEY644}",
      ("--set kimi_api_key_file={KEY644}", "readable by others (mode 644)")),
 ]
