@@ -31,7 +31,7 @@ RESERVED_FLAGS = {
     "host", "port", "data-parallel-size", "data-parallel-rank", "data-parallel-address",
     "data-parallel-rpc-port", "data-parallel-size-local", "data-parallel-start-rank", "headless",
     "tensor-parallel-size", "kv-transfer-config", "served-model-name", "allowed-local-media-path",
-    "speculative-config", "model", "config",
+    "speculative-config", "model", "config", "api-key",
 }
 # Flags that make vLLM print something and exit 0 instead of serving: every engine would restart in a loop.
 EXIT_FLAGS = {"help": "its usage", "version": "its version"}
@@ -248,6 +248,9 @@ def reserved_why(flag: str) -> str:
         return f"makes vLLM print {EXIT_FLAGS[flag]} and exit 0 instead of serving (every engine would restart)"
     if flag == "config":
         return "reads more flags from a file on the host, where reserved ones could hide (set flags under serve)"
+    if flag == "api-key":   # on argv it would show in `ps` and logs
+        return ("is computed by kimictl from the plan: engines get their key from kimi_api_key_file through an env "
+                "file, never on the command line")
     return "is computed by kimictl from the plan"
 
 
@@ -292,6 +295,10 @@ def load_topology(name_or_path: str) -> Topology:
     doc = load_yaml(path, "topology")
     if not isinstance(doc, dict):
         raise TopologyError(f"{path}: a topology is a YAML mapping (see `kimictl schema topology`)")
+    if "source" in doc:   # where the file was read from: kimictl's to fill in, not a key of the file
+        raise TopologyError(f"invalid topology {path}", details=[f"{path}:{doc.line_of('source')}: source: not a "
+                                                                 "topology key (kimictl records where it read the "
+                                                                 "file)"])
     try:
         return Topology(**doc, source=str(path))
     except ValidationError as exc:

@@ -36,7 +36,7 @@ LimitOpt = Annotated[list[str] | None, typer.Option("--limit", metavar="HOST", h
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation (required without a "
                                                           "terminal).")]
 ReadyTimeoutOpt = Annotated[float | None, typer.Option(
-    "--ready-timeout", help="Seconds to wait for engines to load (default: sized to the checkpoint).")]
+    "--ready-timeout", min=1.0, help="Seconds to wait for engines to load (default: sized to the checkpoint).")]
 TokenFileOpt = Annotated[Path | None, typer.Option(
     "--token-file", help="Hub token file (mode 0600). Default: MODELSCOPE_API_TOKEN / HF_TOKEN from the environment.")]
 SkipPreflightOpt = Annotated[str | None, typer.Option("--skip-preflight", metavar="REASON",

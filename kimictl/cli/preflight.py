@@ -10,7 +10,7 @@ from kimictl.cli.common import HostKeysOpt, InventoryOpt, Output, OutputOpt, Top
 from kimictl.errors import EXIT_FAILED
 
 SkipOpt = Annotated[list[str] | None, typer.Option("--skip-check", help="Check id to skip (repeatable).")]
-TimeoutOpt = Annotated[float, typer.Option("--timeout", help="Per-host SSH/probe timeout in seconds.")]
+TimeoutOpt = Annotated[float, typer.Option("--timeout", min=1.0, help="Per-host SSH/probe timeout in seconds.")]
 
 
 def run_and_print(inventory, topology, output: Output, accept_new_host_keys: bool, skip_check, timeout: float,

@@ -17,7 +17,8 @@ EXIT_BY_STATE = {"healthy": EXIT_OK, "degraded": EXIT_DEGRADED, "down": EXIT_FAI
 def status(
     inventory: InventoryOpt,
     output: OutputOpt = Output.text,
-    watch: Annotated[float | None, typer.Option("--watch", help="Refresh every N seconds until Ctrl-C.")] = None,
+    watch: Annotated[float | None, typer.Option("--watch", min=0.5,
+                                                help="Refresh every N seconds until Ctrl-C.")] = None,
     no_pair_probe: Annotated[bool, typer.Option("--no-pair-probe",
                                                 help="Skip the probe request through the proxy.")] = False,
     heal: Annotated[bool, typer.Option(
@@ -71,7 +72,7 @@ def bench(
     concurrency: Annotated[int, typer.Option("--concurrency", min=1, max=1024)] = 8,
     input_tokens: Annotated[int, typer.Option("--input-tokens", min=1)] = 512,
     output_tokens: Annotated[int, typer.Option("--output-tokens", min=2)] = 64,
-    timeout: Annotated[float, typer.Option("--timeout", help="Bound on the whole run, seconds.")] = 300.0,
+    timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Bound on the whole run, seconds.")] = 300.0,
     slo_tpot_ms: Annotated[float, typer.Option("--slo-tpot-ms", help="TPOT SLO (p90).")] = 50.0,
     slo_ttft_ms: Annotated[float | None, typer.Option("--slo-ttft-ms", help="Optional TTFT SLO (p90).")] = None,
     gate: Annotated[bool, typer.Option("--gate", help="Exit 1 when the SLO is missed or a request fails.")] = False,

@@ -115,7 +115,7 @@ def parse_set(item: str, topo: Topology) -> Setting:
         _check_depth(item, parts[1:], nested_map)
     else:
         _check_depth(item, parts, False)
-    if parts[-2] == "serve":
+    if len(parts) > 1 and parts[-2] == "serve":
         _check_serve_flag(item, parts[-1], topo)
     return Setting(item, key, "topology", tuple(parts), _value(raw_value, as_string=as_string))
 

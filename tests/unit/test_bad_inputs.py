@@ -282,6 +282,9 @@ CASES: list[Case] = [
          "a3-pd", ("host a3-p", "kimi_media_dir /var/lib/kimi holds kimi_state_dir /var/lib/kimi")),
     Case("media-dir-holds-model-dir", _inv({"kimi_media_dir": "/data"}, {"a3-p": A3P, "a3-d": A3D}),
          "a3-pd", ("kimi_media_dir /data holds kimi_model_dir /data/models/Kimi-K2.5-W4A8", "checkpoint")),
+    Case("serve-api-key", "good-a3-2.yml", _pd(serve={"enable-expert-parallel": True, "api-key": "sk-123"}),
+         ("serve flag 'api-key'", "never on the command line")),
+    Case("topology-source-key", "good-a3-2.yml", {**_pd(), "source": 42}, ("source: not a topology key",)),
     # --- a held-out corpus (issue 27) found these -------------------------------------------------------------------
     Case("var-name-lookalike", _inv({}, {"a3-p": A3P, "a3-d": {**A3D, "k\u0456mi_role": "prefill"}}), "a3-pd",
          ("host a3-d", "is not a variable name", "did you mean 'kimi_role'")),
@@ -709,3 +712,13 @@ def test_a_fifo_nobody_writes_is_refused_at_once(tmp_path: Path, which: str) -> 
     result = _invoke(["validate", *args])
     assert result.exit_code == EXIT_INVALID, result.output
     assert f"{which} {fifo}: it is not a regular file" in result.stderr
+
+
+@pytest.mark.parametrize("args", [["status", "-i", "{inv}", "--watch", "-1"],
+                                  ["preflight", "-i", "{inv}", "--topology", "a3-pd", "--timeout", "-1"],
+                                  ["deploy", "-i", "{inv}", "--topology", "a3-pd", "--check", "--ready-timeout", "-5"]])
+def test_negative_durations_are_usage_errors(args: list[str]) -> None:
+    """A negative --watch or --timeout crashed deep inside (sleep, paramiko): refused where it is parsed."""
+    result = _invoke([a.replace("{inv}", str(REPO / "inventories" / "a3-pd.yml")) for a in args])
+    assert result.exit_code == EXIT_INVALID, result.output
+    assert "Invalid value for '--" in result.stderr

@@ -164,6 +164,7 @@ SET_CASES: list[tuple[str, str, tuple[str, ...]]] = [
     ("env-reserved", "prefill.env.HCCL_IF_IP=1.2.3.4", ("--set prefill.env.HCCL_IF_IP=1.2.3.4", "set by kimictl")),
     ("proxy-host-ghost", "kimi_proxy_host=ghost", ("--set kimi_proxy_host=ghost", "'ghost' is not an inventory host")),
     ("monitor-host-typo", "kimi_monitor_host=atlas-1", ("--set kimi_monitor_host=atlas-1", "did you mean")),
+    ("mode-flip", "mode=colocated", ("--set mode=colocated", "needs exactly one role")),
     ("media-holds-model", "kimi_media_dir=/data/models",
      ("--set kimi_media_dir=/data/models", "holds kimi_model_dir")),
     ("api-key-world-readable", "kimi_api_key_file={KEY644}",
