@@ -24,3 +24,13 @@ def test_the_doc_names_no_module_that_is_gone() -> None:
                    and (n.split("/")[0] in {p.name for p in pkg.iterdir() if p.is_dir()})
                    and not (pkg / n).exists())
     assert not stale, f"docs/architecture.md names modules that do not exist: {stale}"
+
+
+def test_no_two_test_modules_share_a_basename() -> None:
+    """pytest imports test modules by basename (no packages under tests/): a second test_x.py in another folder
+    stops the whole run at collection, which a run of one folder never shows."""
+    seen: dict[str, str] = {}
+    for p in sorted((ROOT / "tests").rglob("test_*.py")):
+        rel = p.relative_to(ROOT).as_posix()
+        assert p.name not in seen, f"{rel} and {seen[p.name]} share a basename"
+        seen[p.name] = rel
