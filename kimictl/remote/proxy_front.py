@@ -31,8 +31,14 @@ client sends on is dropped for LINGER seconds at most, so that the answer is not
 and is answered within --request-timeout (504). The client's credentials (Authorization, Proxy-Authorization,
 X-Api-Key) never reach the routers: the front checks the keys, and the routers send the engines a key of their own
 (vllm-ascend's proxy: OPENAI_API_KEY from its environment).
-Bodies stream through to the router; one of up to RESEND_MAX bytes is kept until answered, so that a request a
-router dropped unanswered (a copy shutting down) is sent once more to another copy; a larger one gets 502 then.
+Bodies stream through to the router; one of up to RESEND_MAX bytes is kept until answered, so that a request whose
+router failed before any byte of the answer went to the client is sent once more, to another copy when one is up (a
+copy shutting down drops requests unanswered; an engine killed under a router fails its requests): a router that
+closed the connection before a whole response head, or (client paths but the keyless GET /health) answered 500, 502,
+503 or 504, whose answer is then dropped unsent. Only once (a second failure reaches the client), never after a byte
+went out (a stream cut after its head fails as it is), never after a 4xx; a body too large to keep is not sent twice
+(502, or the router's 5xx as is).
+The state file counts these second attempts ("retries").
 With --watch URL, routers that learn the prefill engines' ids once, at their start (vllm-router asks Mooncake
 bootstrap servers), are restarted the same way when the engine ids those URLs list change (a prefill engine
 restarted under a new id); the state file tells what the routers know meanwhile.
@@ -67,6 +73,9 @@ MAX_HEADER = 64 * 1024
 COPY_CHUNK = 256 * 1024
 RESEND_MAX = 1024 * 1024  # bodies up to this size are kept until answered, to send them again after a drop
 RESEND_BUDGET = 64 * 1024 * 1024  # all bodies kept at one time; past it requests stream without a second chance
+RETRY_STATUSES = (500, 502, 503, 504)  # a router's answers that send a kept body once more (the answer unsent)
+FAILED_TEXT_MAX, FAILED_TEXT_WAIT = 300, 1.0  # bytes of such an answer's body read for the log line, and how long
+RETRY_SAVE_DELAY = 1.0  # the state file's retry count is written at most this late (not once a request)
 QUEUE_WAIT = 2.0  # seconds a connection over the cap waits for a slot before its 503
 MAX_QUEUED = 64  # connections waiting for a slot (or in the lingering close of their 503); more stay unaccepted
 LINGER = 1.0  # seconds an answered, refused connection still takes (and drops) what its client sends
@@ -231,7 +240,9 @@ class KeyFile:
 
 
 class NothingSent(Exception):
-    """The router closed the connection (or stopped reading) before any byte of a response."""
+    """The router failed before any byte of its response went to the client: it closed the connection (or stopped
+    reading) before a whole response head, or answered a RETRY_STATUSES status that was kept back (the message
+    says which)."""
 
 
 class Upstream:
@@ -409,9 +420,15 @@ class Session:
                             f"{self.args.request_timeout:g}s") from None
 
     async def forward(self, req, index, head, body):
-        """body None: stream the client's body through (no second chance if the router drops the request)."""
+        """body None: stream the client's body through (no second chance if the router drops the request). A kept
+        body is sent once more when the first router failed before any byte of its answer went to the client (see
+        NothingSent): to another copy when one is up (Front.connect), and never a third time."""
+        failed = None  # (router, what it did) of the first attempt
         for attempt in (1, 2):
-            up = await self.upstream(index)
+            up = await self.upstream(index, failed and failed[0])
+            if failed:
+                warn("retry", f"client {self.peer}: router {failed[0].index} {failed[1]} before any byte reached "
+                              f"the client; {req.method.decode()} sent once more, to router {up.router.index}")
             whole = True
             try:
                 up.writer.write(head)
@@ -420,35 +437,42 @@ class Session:
                 else:
                     up.writer.write(body)
                     await self.upstream_drain(up)
-                keep_up, keep_client = await self.relay_response(up, req.method)
-            except NothingSent:
+                # The 5xx of a router is kept back when it can be retried: on a client path (the keyless health
+                # check reports what the router says), with the body kept, on the first attempt.
+                retry_5xx = body is not None and attempt == 1 and index is None and not req.open_health
+                keep_up, keep_client = await self.relay_response(up, req.method, retry_5xx)
+            except NothingSent as exc:
                 # A router shutting down closes idle connections and drops the ones still in its accept queue
-                # without reading them; nothing reached the client yet, so send once more elsewhere.
+                # without reading them, one whose engine died answers 5xx; nothing reached the client yet, so
+                # send once more elsewhere.
                 self.close_up()
                 if body is None:
-                    raise HttpError(502, "Bad Gateway", "the router closed the connection before answering (a "
-                                    f"request with a body over {RESEND_MAX} bytes is not sent twice)") from None
+                    raise HttpError(502, "Bad Gateway", f"the router {exc} (a request with a body over "
+                                    f"{RESEND_MAX} bytes is not sent twice)") from None
                 if attempt == 2:
-                    raise HttpError(502, "Bad Gateway", "the router closed the connection") from None
+                    raise HttpError(502, "Bad Gateway", f"router {failed[0].index} {failed[1]}, then router "
+                                    f"{up.router.index} {exc}") from None
+                failed = (up.router, str(exc))
+                self.front.count_retry()
                 continue
             if not (keep_up and whole):
                 self.close_up()
             return keep_client and whole
         return False  # not reached: the second attempt returns or raises
 
-    async def upstream(self, index):
+    async def upstream(self, index, avoid=None):
         held = index is None and self.up is not None and self.up.router.held()
         if self.up and (self.up.index != index or self.up.reader.at_eof() or held):
             self.close_up()
         if self.up is None:
-            self.up = Upstream(index, *await self.front.connect(index))
+            self.up = Upstream(index, *await self.front.connect(index, avoid))
         return self.up
 
     async def upstream_drain(self, up):
         try:
             await asyncio.wait_for(up.writer.drain(), self.args.io_timeout)
         except (ConnectionError, OSError, asyncio.TimeoutError):
-            raise NothingSent() from None
+            raise NothingSent("stopped taking the request") from None
 
     async def pump(self, up, n):
         """Stream n body bytes from the client to the router; False when the router stopped taking them (its
@@ -463,13 +487,14 @@ class Session:
                 return False
         return True
 
-    async def relay_response(self, up, method):
-        """Copy one response (after any 1xx) to the client as it arrives; (keep upstream, keep client)."""
+    async def relay_response(self, up, method, retry_5xx=False):
+        """Copy one response (after any 1xx) to the client as it arrives; (keep upstream, keep client). retry_5xx: a
+        RETRY_STATUSES answer (before any 1xx went out) is not sent: NothingSent, with the start of its body."""
         while True:
             try:
                 head = await up.reader.readuntil(b"\r\n\r\n")
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                raise NothingSent() from exc
+                raise NothingSent("closed the connection before a whole response head") from exc
             except asyncio.LimitOverrunError:
                 raise HttpError(502, "Bad Gateway", "the router's response head is too large") from None
             lines = head[:-4].split(b"\r\n")
@@ -484,6 +509,7 @@ class Session:
             if 100 <= status < 200:
                 if status == 101:
                     raise HttpError(502, "Bad Gateway", "protocol upgrades are not proxied")
+                retry_5xx = False  # a byte went to the client
                 await self.send(head)
                 continue
             closing = any(b"close" in v for v in fields.get(b"connection", [])) or parts[0] == b"HTTP/1.0"
@@ -491,6 +517,9 @@ class Session:
             length = fields.get(b"content-length")
             if length and not (length[-1].isdigit() and len(length[-1]) <= 18):
                 raise HttpError(502, "Bad Gateway", "bad Content-Length from the router")
+            if retry_5xx and status in RETRY_STATUSES:
+                text = "" if method == b"HEAD" else await failed_text(up.reader, chunked, length)
+                raise NothingSent(f"answered {status}" + (f" ({text})" if text else ""))
             if method == b"HEAD" or status in (204, 304) or chunked or length:
                 await self.send(head)
                 if method == b"HEAD" or status in (204, 304):
@@ -532,6 +561,27 @@ class Session:
                         await self.send(b"")
                         return
             await self.copy_exactly(reader, size + 2)
+
+
+async def failed_text(reader, chunked, length):
+    """The start of the body of a router's 5xx answer that is not sent, for the log line of its retry: at most
+    FAILED_TEXT_MAX bytes (of the first chunk when chunked), what came within FAILED_TEXT_WAIT; the rest is never
+    read (the connection is closed)."""
+
+    async def start():
+        n = FAILED_TEXT_MAX
+        if chunked:
+            n = min(n, int((await reader.readuntil(b"\r\n")).split(b";")[0].strip()[:16], 16))
+        elif length:
+            n = min(n, int(length[-1]))
+        return await reader.read(n) if n else b""
+
+    try:
+        data = await asyncio.wait_for(start(), FAILED_TEXT_WAIT)
+    except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
+            ValueError):
+        return ""
+    return " ".join(data.decode(errors="replace").split())
 
 
 class Router:
@@ -594,6 +644,8 @@ class Front:
         self.freed = asyncio.Event()  # set (and replaced) whenever a slot or a place in the queue frees
         self.idle = {}  # session -> since when it waits for its next request (oldest first)
         self.kept = 0  # bytes of request bodies kept for a second attempt
+        self.retries = 0  # requests sent a second time (see Session.forward)
+        self.save_due = False  # a save of the retry count is scheduled
         self.tasks = set()
         # --watch: the engine ids the URLs list now, and the ones every router learnt at its last (re)start
         self.watch = {"urls": list(args.watch), "engine_ids": None, "routers_know": None, "checked_at": None,
@@ -602,12 +654,27 @@ class Front:
     # --- state file -----------------------------------------------------------------------------------------
 
     def save(self):
+        self.save_due = False
         write_json_atomic(self.args.state, {
             "pid": os.getpid(), "listen": self.args.listen, "requested": self.requested, "completed": self.completed,
             "reload": self.last, "routers": [r.doc() for r in self.routers],
             "api_key": self.args.api_key_file is not None, "admin_key": self.args.admin_key_file is not None,
-            "max_connections": self.cap, "watch": self.watch if self.args.watch else None,
+            "max_connections": self.cap, "watch": self.watch if self.args.watch else None, "retries": self.retries,
         })
+
+    def count_retry(self):
+        """One more request sent a second time; the state file has it within RETRY_SAVE_DELAY."""
+        self.retries += 1
+        if not self.save_due:
+            self.save_due = True
+            asyncio.get_running_loop().call_later(RETRY_SAVE_DELAY, self.save_retries)
+
+    def save_retries(self):
+        if self.save_due:
+            try:
+                self.save()
+            except OSError as exc:
+                warn("state file", f"cannot write the state file: {exc}")
 
     # --- routers --------------------------------------------------------------------------------------------
 
@@ -823,9 +890,10 @@ class Front:
         self.kept += n
         return True
 
-    async def connect(self, index):
-        """Connect to router `index`, or to any accepting router (round robin, failing over), waiting a while
-        when none is up (all restarting) instead of refusing the client."""
+    async def connect(self, index, avoid=None):
+        """Connect to router `index`, or to any accepting router (round robin, failing over; router `avoid` only
+        when no other one takes the connection), waiting a while when none is up (all restarting) instead of
+        refusing the client."""
         deadline = time.monotonic() + self.args.connect_wait
         while not self.stopping:
             if index is not None:
@@ -834,6 +902,7 @@ class Front:
                 self.rr += 1
                 order = [r for r in self.routers[self.rr % len(self.routers):] + self.routers[:self.rr %
                          len(self.routers)] if r.accepting and not r.held()]
+                order.sort(key=lambda r: r is avoid)  # stable: the round robin's order otherwise
             for r in order:
                 try:
                     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", r.port), 5)

@@ -40,7 +40,7 @@ def free_ports(n: int) -> list[int]:
 class Front:
     def __init__(self, tmp: Path, routers: int = 2, api_key: bool = True, connect_wait: float = 30.0,
                  env: dict[str, str] | None = None, admin_key: bool = True, python: str = FRONT_PY,
-                 extra: list[str] = (), nofile: int | None = None):
+                 extra: list[str] = (), nofile: int | None = None, router: Path = FAKE_ROUTER):
         ports = free_ports(1 + 2 * routers)
         self.port, self.state = ports[0], tmp / "front.json"
         self.key_file, self.admin_file = tmp / "key", tmp / "admin-key"
@@ -57,7 +57,7 @@ class Front:
         if admin_key:
             argv += ["--admin-key-file", str(self.admin_file)]
         # The rendered command's --host/--port must be overridden by the front's own.
-        argv += ["--", sys.executable, str(FAKE_ROUTER), "--host", "0.0.0.0", "--port", "1", "--policy", "x"]
+        argv += ["--", sys.executable, str(router), "--host", "0.0.0.0", "--port", "1", "--policy", "x"]
         self.log_path = tmp / "front.log"
         self.log = self.log_path.open("w")
         if nofile:  # the open-file limit, soft and hard (the front may raise its soft limit up to the hard one)
