@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kimictl import health, state
-from kimictl.cluster_secrets import proxy_admin_key
+from kimictl.cluster_secrets import ADMIN_KEY, forget_copy, proxy_admin_key, supplied_key
 from kimictl.errors import HostError, InvalidInput, KimictlError, guide
 from kimictl.facts import engine_profile
 from kimictl.hostops import (
@@ -26,6 +26,7 @@ from kimictl.hostops import (
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import ENGINE_KEY_ENV, Rendered
+from kimictl.routers import front_admin_code
 from kimictl.rundir import run_snapshot, save_run
 from kimictl.ssh import Sessions, SSHError
 
@@ -213,12 +214,20 @@ class Deployer:
                                      "deploy again once it requires the key")
 
     def _admin_refused(self) -> bool:
-        """The deployed front refuses this control node's admin key (it was made elsewhere, or anew here)."""
+        """The deployed front refuses the admin key this deploy would install: a supplied one the cluster does not
+        hold yet, or one made here for a front that has none. A copy of this control node's that the front refuses
+        is stale (the key was rotated elsewhere): it is dropped and the cluster's own key read back, never replaced
+        by this node's."""
         p = self.plan.proxy
         if not p or not p.admin_key:
             return False
-        key = proxy_admin_key(self.plan.cluster, create=True)
-        return self.http.http_get(f"http://{p.ip}:{p.port}/kimictl/router/0/health", 5, key)[0] == 403
+        key = proxy_admin_key(self.full_inv, p.host, create=True)
+        if front_admin_code(p.ip, p.port, key, http=self.http) != 403:
+            return False
+        if supplied_key(self.full_inv, ADMIN_KEY) is not None or not forget_copy(self.plan.cluster, ADMIN_KEY):
+            return True
+        key = proxy_admin_key(self.full_inv, p.host, create=True)
+        return front_admin_code(p.ip, p.port, key, http=self.http) == 403
 
     def _preflight(self) -> None:
         from kimictl.preflight import run_preflight

@@ -217,7 +217,9 @@ class HostOps:
         self.ready_timeout = ready_timeout  # None: sized to the checkpoint (see default_ready_timeout)
         self.connect, self.http = connect, http
         self.state_dir_of = {h.name: h.kimi_state_dir for h in inv.hosts}
+        self.full_inv = inv   # the cluster's keys are read from every host, whatever --limit says
         self.api_key = proxy_api_key(inv)
+        self._engine_keys: dict[bool, str | None] = {}
         self.n_runs = 0
         self.timings: dict[str, float] = {}
 
@@ -262,23 +264,26 @@ class HostOps:
         self.playbook("engines.yml", {"state_dir_of": self.state_dir_of, "grace": STOP_GRACE_S,
                                       "actions": {host: {"reload_proxy": True}}}, [host])
 
-    def install_release(self, rendered: Rendered, hosts: list[str]) -> None:
-        """Unpack each host's release next to the running one (nothing restarts); the tools in bin/ and the proxy's
-        keys (the clients' and the admin key of its routers' API, made here on first use) are brought up to date on
-        the way."""
+    def install_release(self, rendered: Rendered, hosts: list[str], *, admin_key_file: Path | None = None) -> None:
+        """Unpack each host's release next to the running one (nothing restarts); the tools in bin/ and the
+        cluster's keys (the clients', the admin key of the proxy's routers' API and the engines', made here when the
+        cluster has none: kimictl/cluster_secrets.py) are brought up to date on the way. `admin_key_file`: install
+        this admin key instead (`kimictl keys rotate`)."""
         from kimictl.render import engine_shims
 
         p = rendered.plan.proxy
-        admin = p is not None and p.admin_key and proxy_admin_key(self.inv.cluster.name, create=True) is not None
+        admin = admin_key_file is not None or (
+            p is not None and p.admin_key and proxy_admin_key(self.full_inv, p.host, create=True) is not None)
         self.playbook("release.yml", {
             "state_dir_of": self.state_dir_of,
             "bin": {**{name: str(remote.source(name)) for name in HOST_BIN}, **engine_shims(rendered.plan)},
             "hosts": {h: {"release": rendered.releases[h], "bundle": str(self._bundle(h))} for h in hosts},
             "proxy_host": p.host if p else None, "api_key_file": self.inv.cluster.kimi_api_key_file,
-            "admin_key_file": str(proxy_admin_key_path(self.inv.cluster.name)) if admin else None,
-            "engine_key_file": str(key) if (key := engine_key_file(self.inv, rendered.plan.mode == "pd",
+            "admin_key_file": str(admin_key_file or proxy_admin_key_path(self.inv.cluster.name)) if admin else None,
+            "engine_key_file": str(key) if (key := engine_key_file(self.full_inv, rendered.plan.mode == "pd",
                                                                    create=True)) else None,
             **self._reserve_vars(rendered.plan)}, hosts)
+        self._engine_keys.clear()   # the engines' key may have been made or supplied just now
 
     def reserve_ports(self, plan: Plan) -> None:
         """Keep every host's planned ports out of the ephemeral range now (ports.yml; deploy runs it before weights
@@ -336,8 +341,12 @@ class HostOps:
         return self.http.engine_ready(p.ip, p.port, self.served_model_name, api_key=self.engine_key(p.role))
 
     def engine_key(self, role: str) -> str | None:
-        """The key engines of this role require (P/D: kimictl's engine key; colocated: the clients')."""
-        return engine_api_key(self.inv, role in ("prefill", "decode"))
+        """The key engines of this role require (P/D: the cluster's engine key; colocated: the clients'), looked up
+        once per run (readiness polls ask for it again and again)."""
+        pd = role in ("prefill", "decode")
+        if pd not in self._engine_keys:
+            self._engine_keys[pd] = engine_api_key(self.full_inv, pd)
+        return self._engine_keys[pd]
 
     def log_tail(self, host: str, pid: str, lines: int = 30) -> str:
         sd = self.state_dir_of[host]

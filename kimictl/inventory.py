@@ -195,6 +195,11 @@ KEYS: dict[str, Key] = {
                                         "proxy host"),
     "kimi_api_key_file": Key("cluster", "file on the control node (mode 0600) holding the key clients must send "
                                         "to the proxy (Authorization: Bearer); unset: no key"),
+    "kimi_proxy_admin_key_file": Key("cluster", "file on the control node (mode 0600) holding the proxy's admin key "
+                                                "(drain, re-add); unset: the cluster's own (read back from the "
+                                                "proxy host, made on the first deploy)"),
+    "kimi_engine_api_key_file": Key("cluster", "P/D: file on the control node (mode 0600) holding the key engines "
+                                               "require (needs kimi_api_key_file); unset: the cluster's own"),
     "kimi_draft_model_dir": Key("cluster", "draft checkpoint path (eagle3 or dflash, per the topology); setting it "
                                            "enables speculative decoding"),
     "kimi_media_dir": Key("cluster", "directory engines may read local media from (--allowed-local-media-path)"),
@@ -238,6 +243,8 @@ class ClusterSettings(BaseModel):
     kimi_proxy_host: str | None = None
     kimi_monitor_host: str | None = None
     kimi_api_key_file: AbsPath | None = None
+    kimi_proxy_admin_key_file: AbsPath | None = None
+    kimi_engine_api_key_file: AbsPath | None = None
     kimi_draft_model_dir: KimiDir | None = None
     kimi_media_dir: MediaDir = "/var/lib/kimi/media"
     kimi_python: Command = "python3"
@@ -666,6 +673,20 @@ def cross_check_errors(cluster: ClusterSettings, hosts: list[Host], path: Path) 
     return c.errors
 
 
+def _key_file_check(c: _Collector, cluster: ClusterSettings, var: str) -> None:
+    """A key file of all.vars: read where the commands that use it run (checked by validate and plan too)."""
+    f = getattr(cluster, var)
+    if not f:
+        return
+    try:
+        key = read_secret_file(Path(f), var)
+    except InvalidInput as exc:
+        c.err(c.all_origin[var].line, f"all.vars: {exc.message}")
+    else:
+        if not ENV_KEY.fullmatch(key):  # it reaches env files a shell sources and `docker --env-file` reads
+            c.err(c.all_origin[var].line, f"all.vars: {var}: {ENV_KEY_RULE}")
+
+
 def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) -> None:
     seen_addr: dict[str, str] = {}
     seen_dev: dict[str, str] = {}
@@ -677,14 +698,11 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
     for key, why in _checkpoint_dir_overlaps(cluster):
         origin = c.all_origin.get(key)
         c.err(origin.line if origin else 1, f"all.vars: {why}; give each its own directory")
-    if cluster.kimi_api_key_file:  # read where the commands that use it run: checked by validate and plan too
-        try:
-            key = read_secret_file(Path(cluster.kimi_api_key_file), "kimi_api_key_file")
-        except InvalidInput as exc:
-            c.err(c.all_origin["kimi_api_key_file"].line, f"all.vars: {exc.message}")
-        else:
-            if not ENV_KEY.fullmatch(key):  # it reaches env files a shell sources and `docker --env-file` reads
-                c.err(c.all_origin["kimi_api_key_file"].line, f"all.vars: kimi_api_key_file: {ENV_KEY_RULE}")
+    for var in ("kimi_api_key_file", "kimi_proxy_admin_key_file", "kimi_engine_api_key_file"):
+        _key_file_check(c, cluster, var)
+    if cluster.kimi_engine_api_key_file and not cluster.kimi_api_key_file:
+        c.err(c.all_origin["kimi_engine_api_key_file"].line, "all.vars: kimi_engine_api_key_file: engines require a "
+                                                             "key only when clients do: set kimi_api_key_file too")
     names = [h.name for h in hosts]
     for key in ("kimi_proxy_host", "kimi_monitor_host"):
         value = getattr(cluster, key)

@@ -48,9 +48,20 @@ def read_secret_file(path: Path, what: str) -> str:
     return text
 
 
+def key_problem(key: str) -> str | None:
+    """Why `key` (already stripped) is not a key an env file line carries exactly (ENV_KEY), or None when it is one;
+    the reason never quotes the key."""
+    if not key:
+        return "it is empty"
+    if len(key) > MAX_SECRET:
+        return f"it is {len(key)} characters: not a key or token (at most {MAX_SECRET})"
+    return None if ENV_KEY.fullmatch(key) else ENV_KEY_RULE
+
+
 def check_env_key(path: Path, what: str) -> str:
     """read_secret_file's key, refused (exit 2) unless an env file line carries it exactly (ENV_KEY)."""
     key = read_secret_file(path, what)
-    if not ENV_KEY.fullmatch(key):
-        raise InvalidInput(f"{what} {path}: {ENV_KEY_RULE}")
+    why = key_problem(key)
+    if why:
+        raise InvalidInput(f"{what} {path}: {why}")
     return key

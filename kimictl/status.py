@@ -225,13 +225,15 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
     probes = _probe(inv, timeout)
     seen = _Seen.of(inv, probes, record)
     api_key = proxy_api_key(inv)
-    engine_keys = {pd: engine_api_key(inv, pd) for pd in (True, False)}  # the key engines require, P/D or not
+    # the key engines require, P/D or not (the cluster's engine key only when it runs P/D engines)
+    pd = any(e.role != "colocated" for e in seen.engines)
+    engine_keys = {True: engine_api_key(inv, True) if pd else None, False: engine_api_key(inv, False)}
     _judge_readiness(seen, api_key, engine_keys)
     pairs = _pairs(inv, seen, api_key, probe_pairs)
     proxy = seen.proxy
     if proxy and proxy.state == "ready":
         # The routers' own API takes kimictl's admin key (a front made before it had one took the client key).
-        admin = proxy_admin_key(inv.cluster.name) if proxy.admin_key else api_key
+        admin = proxy_admin_key(inv, proxy.host) if proxy.admin_key else api_key
         proxy.membership = _membership(seen.engines, proxy, admin)
     mon = monitoring_status(inv.cluster.name)
     return StatusReport(schema_version=STATUS_SCHEMA_VERSION, cluster=inv.cluster.name,

@@ -38,14 +38,13 @@ def logs(
     output: OutputOpt = Output.text,
 ) -> None:
     """Tail each engine's and the proxy's log, or collect everything into one redacted tarball."""
-    from kimictl.cluster_secrets import engine_api_key, proxy_admin_key, proxy_api_key
+    from kimictl.cluster_secrets import known_keys
     from kimictl.inventory import load_inventory
     from kimictl.logs import Redactor, build_bundle, tail_logs
 
     inv = load_inventory(inventory).limited(host)
     redactor = Redactor.from_config(secrets_file=secrets_file,
-                                    known=filter(None, [proxy_api_key(inv), proxy_admin_key(inv.cluster.name),
-                                                        engine_api_key(inv, pd=True)]))
+                                    known=known_keys(inv))
     err = stderr_console()
     if redactor.skipped_short:
         err.print(f"[yellow]{redactor.skipped_short} configured secret value(s) shorter than 4 characters are not "

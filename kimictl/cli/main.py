@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from kimictl.cli import deploy, heal, lifecycle, logs, observe, preflight, sandbox, static, status, topology, weights
+from kimictl.cli import keys as keys_cli
 from kimictl.cli import rollout as rollout_cli
 
 app = typer.Typer(
@@ -34,6 +35,7 @@ app.add_typer(weights.app, name="weights")
 app.add_typer(sandbox.app, name="sandbox")
 app.add_typer(topology.app, name="topology")
 app.add_typer(observe.app, name="observe")
+app.add_typer(keys_cli.app, name="keys")
 
 
 def main() -> None:

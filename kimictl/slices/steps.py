@@ -95,7 +95,8 @@ class SliceSteps:
         assert rendered.proxy is not None and rendered.plan.proxy is not None
         base = f"http://{rendered.proxy.host}:{rendered.proxy.port}"
         own = [f"{base}/kimictl/router/{i}" for i in range(len(rendered.proxy.routers))] or [base]
-        key = proxy_admin_key(self.cluster) if rendered.plan.proxy.admin_key else self.api_key
+        key = (proxy_admin_key(self.inv, rendered.plan.proxy.host) if rendered.plan.proxy.admin_key
+               else self.api_key)
         if router_kind(rendered.plan.proxy.router).membership == "instances":
             self.front_ctl = self.make_front(base, api_key=key, http=self.http)
             return [self.make_instances(u, api_key=key, http=self.http) for u in own]

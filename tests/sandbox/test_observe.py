@@ -14,6 +14,7 @@ import pytest
 from conftest import _bring_up, kimictl
 
 from kimictl.cluster_secrets import proxy_admin_key
+from kimictl.inventory import load_inventory
 from kimictl.observe import load_config, seconds
 
 pytestmark = pytest.mark.sandbox
@@ -90,10 +91,11 @@ def test_a_drain_left_behind_and_a_link_down_fire(monitored):
     proxy = f"http://{sb.host('atlas-01')['ip']}:8000"
     decode = f"{sb.host('atlas-02')['ip']}:7101"
     # drain decode-0-dp1 from router copy 0 (vllm-ascend's proxy, idle: removed at once), with kimictl's admin key
+    admin = proxy_admin_key(load_inventory(sb.inventory), "atlas-01")
     req = urllib.request.Request(f"{proxy}/kimictl/router/0/instances/remove", method="POST",
                                  data=json.dumps({"type": "decode", "instances": [decode]}).encode(),
                                  headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {proxy_admin_key(sb.state['cluster'])}"})
+                                          "Authorization": f"Bearer {admin}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200 and decode not in json.loads(r.read())["current_decode_instances"]
     sb.fault("link-down:atlas-01:3")

@@ -37,3 +37,12 @@ def host_python() -> str:
     """The interpreter that runs host-side code in tests: KIMICTL_HOST_PYTHON (scripts/test.sh sets it to the host
     Python floor's, kimictl.HOST_PYTHON_FLOOR, for a second pass over the host-side tests), else this one."""
     return os.environ.get("KIMICTL_HOST_PYTHON") or sys.executable
+
+
+@pytest.fixture(autouse=True)
+def _key_read_back_reaches_no_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit tests reach no host: a cluster key this control node has no copy of is read back (kimictl/key_readback.py)
+    from hosts that answer they hold none; a test whose hosts hold keys sets its own (fake_sessions.held_keys)."""
+    from fake_sessions import held_keys
+
+    monkeypatch.setattr("kimictl.key_readback.Sessions", held_keys({}))

@@ -39,3 +39,20 @@ def fake_sessions(answer: Callable[[str, str], str]) -> type:
             return out
 
     return Sessions
+
+
+def held_keys(files: dict[str, dict[str, str]], down: tuple[str, ...] = (), asked: list | None = None) -> type:
+    """fake_sessions for kimictl.key_readback: `files` says what each host holds under <kimi_state_dir>/secrets/
+    (file name -> content), hosts in `down` cannot be reached; `asked` collects (host, file) of every read."""
+    from kimictl.key_readback import MARK
+
+    def answer(host: str, cmd: str) -> str:
+        name = "engine-api-key.env" if "/secrets/engine-api-key.env " in cmd else "proxy-admin-key"
+        if asked is not None:
+            asked.append((host, name))
+        if host in down:
+            raise SSHError(f"cannot reach {host}: Connection refused")
+        text = files.get(host, {}).get(name)
+        return f"{MARK}absent\n" if text is None else f"{MARK}present\n{text}"
+
+    return fake_sessions(answer)

@@ -103,9 +103,13 @@ def test_a_key_an_env_line_cannot_carry_is_refused_naming_the_file(tmp_path: Pat
 
 def test_a_kimictl_made_engine_key_someone_edited_is_refused_before_it_reaches_a_host(tmp_path: Path,
                                                                                      monkeypatch) -> None:
+    from fake_sessions import held_keys
+
+    from kimictl import key_readback
     from kimictl.cluster_secrets import cluster_secret_path
 
     monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(key_readback, "Sessions", held_keys({}))  # the cluster holds no engine key yet
     doc = yaml.safe_load((ROOT / "inventories/a3-pd.yml").read_text())
     doc["all"]["vars"]["kimi_api_key_file"] = str(_key_file(tmp_path, "sk-client-1234\n"))
     (tmp_path / "inv.yml").write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -358,6 +358,55 @@ def test_a_keyed_deploy_checks_each_engine_refuses_a_request_without_the_key(tmp
     assert state.history(CLUSTER)[-1].result == "failed"
 
 
+class FrontHttp(FakeHttp):
+    """kimictl's proxy front holding `front_key` as its admin key: its admin paths refuse any other (403)."""
+
+    def __init__(self, front_key: str):
+        super().__init__()
+        self.front_key = front_key
+        self.admin_asks: list[str | None] = []
+
+    def http_get(self, url: str, timeout: float = 3.0, api_key: str | None = None) -> tuple[int, str]:
+        if "/kimictl/router/" in url:
+            self.admin_asks.append(api_key)
+            return (200, "{}") if api_key == self.front_key else (403, "router admin paths need the admin key")
+        return super().http_get(url, timeout, api_key)
+
+
+@pytest.mark.parametrize("copy", [None, "a-stale-copy-of-this-node"])
+def test_a_no_changes_deploy_keeps_the_clusters_admin_key_and_never_installs_its_own(tmp_path: Path, monkeypatch,
+                                                                                  copy: str | None) -> None:
+    """A fresh control node (a CI runner) or one whose copy is stale meets a front holding the cluster's key: the
+    key is read back from the proxy host, kept as the copy, and nothing is installed over it."""
+    from fake_sessions import held_keys
+
+    from kimictl import key_readback
+    from kimictl.cluster_secrets import ADMIN_KEY, cluster_secret_path, keep_copy
+
+    inv, _, new, ops = _deploy_setup(tmp_path)
+    assert _deploy(inv, new, ops, FakeHttp()).run().result == "deployed"
+    proxy = new.plan.proxy.host
+    monkeypatch.setattr(key_readback, "Sessions", held_keys({proxy: {"proxy-admin-key": "the-clusters-key\n"}}))
+    path = cluster_secret_path(CLUSTER, ADMIN_KEY.name)
+    assert not path.exists()   # a fresh control node: no copy
+    if copy:
+        keep_copy(CLUSTER, ADMIN_KEY, copy, replace=True)
+    n_calls = len(ops.calls)
+    http = FrontHttp("the-clusters-key")
+    assert _deploy(inv, new, ops, http).run().result == "no-changes"
+    assert ops.calls[n_calls:] == []   # no install: the cluster's key stays
+    assert path.read_text() == "the-clusters-key\n" and http.admin_asks[-1] == "the-clusters-key"
+
+
+def test_a_supplied_admin_key_the_front_does_not_hold_is_installed(tmp_path: Path, monkeypatch) -> None:
+    inv, _, new, ops = _deploy_setup(tmp_path)
+    assert _deploy(inv, new, ops, FakeHttp()).run().result == "deployed"
+    monkeypatch.setenv("KIMICTL_PROXY_ADMIN_KEY", "the-operators-new-key")
+    n_calls = len(ops.calls)
+    assert _deploy(inv, new, ops, FrontHttp("the-old-key")).run().result == "no-changes"
+    assert ops.calls[n_calls:] == [("install", [new.plan.proxy.host])]
+
+
 # --- rollout -----------------------------------------------------------------------------------------------
 
 

@@ -188,9 +188,13 @@ def test_vllm_router_cannot_send_the_engines_key_so_it_is_refused_with_one(tmp_p
 
 
 def test_the_engines_key_is_kimictls_own_in_pd_and_the_clients_colocated(tmp_path: Path, monkeypatch) -> None:
+    from fake_sessions import held_keys
+
+    from kimictl import key_readback
     from kimictl.cluster_secrets import engine_api_key, engine_key_file
 
     monkeypatch.setenv("KIMICTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(key_readback, "Sessions", held_keys({}))  # the cluster holds no engine key yet
     inv = load_inventory(_inv(tmp_path, kimi_api_key_file=str(_key(tmp_path))))
     assert engine_key_file(inv, pd=True) is None  # not made yet: only deploy and rollout make it
     made = engine_key_file(inv, pd=True, create=True)
