@@ -37,3 +37,15 @@ def host_python() -> str:
     """The interpreter that runs host-side code in tests: KIMICTL_HOST_PYTHON (scripts/test.sh sets it to the host
     Python floor's, kimictl.HOST_PYTHON_FLOOR, for a second pass over the host-side tests), else this one."""
     return os.environ.get("KIMICTL_HOST_PYTHON") or sys.executable
+
+
+EMPTY_RECORD = '{"releases": null, "current": null, "snapshots": {}, "skipped": []}'
+
+
+@pytest.fixture(autouse=True)
+def record_hosts_hold_no_record(monkeypatch) -> None:
+    """The cluster's record hosts (kimictl/cluster_record.py) answer, holding no release record: no unit test reaches
+    a real host when a command reads the record back. Tests of the read-back replace this with their own hosts."""
+    from fake_sessions import fake_sessions
+
+    monkeypatch.setattr("kimictl.cluster_record.Sessions", fake_sessions(lambda _host, _cmd: EMPTY_RECORD))
