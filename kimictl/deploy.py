@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kimictl import health, state
+from kimictl import cluster_record, health, state
 from kimictl.cluster_secrets import ADMIN_KEY, forget_copy, proxy_admin_key, supplied_key
 from kimictl.errors import HostError, InvalidInput, KimictlError, guide
 from kimictl.facts import engine_profile
@@ -188,12 +188,13 @@ class Deployer:
             self.ops.switch(self.rendered.releases)
         except KimictlError:
             self._rollback(changes)
-            self._record("failed", changes)
+            self._record("failed", changes, required=False)
             raise
+        else:
+            self._record("deployed", changes)   # its record playbook's connections close below
         finally:
             self.ops.close()
         self.timings["total"] = round(time.monotonic() - t_all, 2)
-        self._record("deployed", changes)
         return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "deployed", smoke,
                             self.timings)
 
@@ -309,12 +310,16 @@ class Deployer:
         except KimictlError as exc:
             self.say(f"rollback incomplete: {exc.message}")
 
-    def _record(self, result: str, changes: list[Change], kind: str | None = None) -> None:
-        state.record_release(self.plan.cluster, state.ReleaseRecord.now(
+    def _record(self, result: str, changes: list[Change], kind: str | None = None, required: bool = True) -> None:
+        """The release record, here and on the cluster's record hosts (kimictl/cluster_record.py: a host not written
+        is a warning; none written is an error unless `required` is off, as for a failed deploy's record)."""
+        rec = state.ReleaseRecord.now(
             release=self.release, cluster=self.plan.cluster, topology=self.plan.topology,
             **({"kind": kind} if kind else {}),
             hosts=self.rendered.releases, result=result, run_dir=str(self.run_dir),
-            changes=[asdict(c) | {"new": None, "old": None} for c in changes if c.action != "keep"]))
+            changes=[asdict(c) | {"new": None, "old": None} for c in changes if c.action != "keep"])
+        state.record_release(self.plan.cluster, rec)
+        cluster_record.publish(self.ops, self.full_inv, rec, say=self.say, required=required)
 
 
 def smoke_text(smoke: dict[str, Any]) -> str:
@@ -362,12 +367,18 @@ def change_diffs(inv: Inventory, rendered: Rendered, changes: list[Change]) -> d
     return out
 
 
-def rollback_target(cluster: str, to: str | None = None) -> tuple[state.ReleaseRecord, Rendered]:
-    """The release to go back to: `to`, or the last deployed release before the current one."""
+def rollback_target(cluster: str, to: str | None = None, inv: Inventory | None = None,
+                    accept_new_keys: bool = False) -> tuple[state.ReleaseRecord, Rendered]:
+    """The release to go back to: `to`, or the last deployed release before the current one. With the inventory,
+    the cluster's record is read back from its record hosts first (kimictl/cluster_record.py)."""
+    if inv is not None:
+        cluster_record.sync(inv, accept_new_keys=accept_new_keys)
     deployed = [r for r in state.history(cluster) if r.result == "deployed"]
     if not deployed:
         raise InvalidInput(f"no deployed release of cluster {cluster} is recorded in "
-                           f"{state.control_dir(cluster) / state.RELEASES}")
+                           f"{state.control_dir(cluster) / state.RELEASES}"
+                           + (f" nor on its record hosts ({', '.join(cluster_record.record_hosts(inv))})"
+                              if inv is not None else ""))
     current = deployed[-1].release
     if to:
         matches = [r for r in deployed if r.release.startswith(to)]

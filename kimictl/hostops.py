@@ -32,6 +32,7 @@ from kimictl.routers import proxy_ready
 from kimictl.ssh import Sessions, SSHError, ansible_host_key_args
 
 if TYPE_CHECKING:
+    from kimictl.ansible import PlaybookResult
     from kimictl.plan import Plan
     from kimictl.render import Rendered
 
@@ -229,7 +230,7 @@ class HostOps:
 
     # --- playbooks -------------------------------------------------------------------------------------
 
-    def playbook(self, name: str, extravars: dict[str, Any], hosts: list[str]) -> None:
+    def _run(self, name: str, extravars: dict[str, Any], hosts: list[str]) -> PlaybookResult:
         from kimictl.ansible import build_run_spec, run_playbook
 
         self.n_runs += 1
@@ -240,6 +241,10 @@ class HostOps:
         t0 = time.monotonic()
         res = run_playbook(spec, self.on_event)
         self.timings[ident] = round(time.monotonic() - t0, 2)
+        return res
+
+    def playbook(self, name: str, extravars: dict[str, Any], hosts: list[str]) -> None:
+        res = self._run(name, extravars, hosts)
         if not res.ok:
             f = res.failures[0] if res.failures else None
             raise HostError(f"playbook {name} failed" + (f": {f.message.splitlines()[0][:300]}" if f else ""),
@@ -258,6 +263,20 @@ class HostOps:
                                          for h, a in actions.items()))
         self.playbook("engines.yml", {"state_dir_of": self.state_dir_of, "actions": actions,
                                       "grace": STOP_GRACE_S}, hosts)
+
+    def write_record(self, extravars: dict[str, Any], hosts: list[str]) -> dict[str, str]:
+        """Copy the release record to these hosts (record.yml, vars from kimictl.cluster_record); never raises: the
+        hosts it could not write, with why (the caller reports them)."""
+        res = self._run("record.yml", extravars, hosts)
+        if res.ok:
+            return {}
+        def first_line(text: str) -> str:
+            return (text.strip().splitlines() or ["failed"])[0][:300]
+
+        whole = next((f for f in res.failures if f.host not in hosts), None)  # ansible-playbook itself failed
+        if whole is not None or not res.failures:
+            return dict.fromkeys(hosts, first_line(whole.message) if whole else f"record.yml ended {res.status}")
+        return {f.host: f"{f.task}: {first_line(f.message)}" for f in res.failures}
 
     def reload_proxy(self, host: str) -> None:
         """Restart the router copies behind kimictl's proxy front one at a time (the front keeps its port)."""

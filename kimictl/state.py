@@ -12,6 +12,10 @@ Everything kimictl remembers about a cluster lives under $KIMICTL_STATE_DIR/<clu
                          deployed again from it), the rollout's effective topology.yml (written and read back by
                          kimictl/rundir.py), Ansible artifacts
   secrets/               the keys kimictl makes for the cluster (kimictl/cluster_secrets.py)
+  record/snapshots/<release>/   render snapshots read back from the cluster's record (kimictl/cluster_record.py)
+
+The cluster keeps the release record too (<kimi_state_dir>/record/ on its record hosts): releases.jsonl and
+current.json here are a cache of it that kimictl/cluster_record.py brings up to date and that can be deleted.
   weights.lock, weights-small/   the weights stage's lock and small-file cache
 
 Error policy, the same for every file: a missing record is "nothing recorded" (None, or an empty history); a
@@ -161,11 +165,24 @@ def _append_line(path: Path, line: str) -> None:
         f.write((b"\n" if cut else b"") + line.encode() + b"\n")
 
 
+def current_json(rec: ReleaseRecord) -> str:
+    """current.json's text for this record."""
+    return json.dumps(json.loads(rec.to_line()), indent=1)
+
+
 def record_release(cluster: str, rec: ReleaseRecord) -> None:
     """Append to the history; a deployed release also becomes `current`."""
     _append_line(control_dir(cluster) / RELEASES, rec.to_line())
     if rec.result == "deployed":
-        _write_atomic(control_dir(cluster) / CURRENT, json.dumps(json.loads(rec.to_line()), indent=1))
+        _write_atomic(control_dir(cluster) / CURRENT, current_json(rec))
+
+
+def cache_records(cluster: str, records: list[ReleaseRecord], cur: ReleaseRecord | None) -> None:
+    """Replace the history and the current record with the cluster's record as read back from its hosts
+    (kimictl/cluster_record.py): this control node's copy is a cache of it."""
+    _write_atomic(control_dir(cluster) / RELEASES, "".join(r.to_line() + "\n" for r in records))
+    if cur is not None:
+        _write_atomic(control_dir(cluster) / CURRENT, current_json(cur))
 
 
 def deployed_diff(cluster: str, releases: dict[str, str]) -> dict:

@@ -167,6 +167,7 @@ class StatusReport(StatusPart):
     at: str
     lease: LeaseStatus | None = None  # set when the lock host was probed (kimictl/lease.py)
     heal: dict[str, Any] | None = None  # `status --heal`: the heal round's own document (heal --output json)
+    record_drift: list[str] | None = None  # set when the record hosts' copies of the release record disagree
 
 
 # --- collecting it ------------------------------------------------------------------------------------------------

@@ -57,6 +57,10 @@ def deploy(
     opts = DeployOptions(check=check, skip_preflight=skip_preflight, limit=limit, ready_timeout=ready_timeout,
                          accept_new_host_keys=accept_new_host_keys, skip_weights=skip_weights, hub_token=token)
     with common.cluster_lease(p.inventory, "deploy", wait, accept_new_host_keys, check=check):
+        if not check:   # the cluster's release record first: a release adopted here keeps its whole history
+            from kimictl.cluster_record import sync
+
+            sync(p.inventory, accept_new_keys=accept_new_host_keys)
         result = Deployer(p.inventory, p.plan, rendered, opts, say, on_event).run()
     diffs = change_diffs(p.inventory, rendered, result.changes) if check and diff else {}
     if output == Output.json:
@@ -93,7 +97,7 @@ def rollback(
     from kimictl.inventory import load_inventory
 
     inv = load_inventory(inventory)
-    target, rendered = rollback_target(inv.cluster.name, to)
+    target, rendered = rollback_target(inv.cluster.name, to, inv, accept_new_keys=accept_new_host_keys)
     if skip_preflight is not None:
         common.stderr_console().print(f"[yellow]preflight skipped: {skip_preflight}[/]")
     common.confirm_or_yes(f"Roll {inv.cluster.name} back to release {target.release} ({target.at})?", yes)

@@ -88,9 +88,10 @@ def up_cmd(
         from kimictl.errors import InvalidInput
         from kimictl.inventory import load_inventory
 
-        cluster = load_inventory(inventory).cluster.name
+        inv = load_inventory(inventory)
+        cluster = inv.cluster.name
         try:
-            deployed = current_deployment(cluster)
+            deployed = current_deployment(cluster, inv, accept_new_host_keys)
         except InvalidInput:
             raise InvalidInput(f"no deployed release of cluster {cluster} is recorded here to take the topology "
                                "from", hint="pass --topology T (the topology you deploy)") from None

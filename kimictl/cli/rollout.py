@@ -46,7 +46,8 @@ def rollout(
     """Roll a change out slice by slice: canary first, each slice drained, restarted, gated, re-added."""
     from kimictl.rollout.run import Rollout, RolloutOptions, prepare_rollout
 
-    inputs = prepare_rollout(Path(inventory), topology, sets or [])
+    inputs = prepare_rollout(Path(inventory), topology, sets or [], read_cluster=True,
+                             accept_new_keys=accept_new_host_keys)
     opts = RolloutOptions(canary=canary, serial=serial, check=check, drain_timeout=drain_timeout,
                           drain_quiet=drain_quiet, ready_timeout=ready_timeout,
                           allow_proxy_restart=allow_proxy_restart, routers=router or [],

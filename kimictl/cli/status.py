@@ -26,12 +26,16 @@ def status(
                        "an escalation exits 1.")] = False,
 ) -> None:
     """Show every engine's state, the P/D pair probe, the proxy and release drift."""
+    from kimictl.cluster_record import sync
     from kimictl.inventory import load_inventory
     from kimictl.status import collect_status
 
     inv = load_inventory(inventory)
     while True:
+        record = sync(inv)   # the cluster's release record: `release` and drift are judged against it
         report = collect_status(inv, probe_pairs=not no_pair_probe)
+        if record.problems():
+            report.record_drift = record.problems()
         if heal and report.state != "healthy":
             report.heal = _heal_round(inventory)
         if output == Output.json:

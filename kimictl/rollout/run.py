@@ -247,12 +247,13 @@ class Rollout:
             if isinstance(exc, KeyboardInterrupt):
                 raise
             raise self._failure(failure) from None
+        else:
+            result.result = "rolled-out"
+            result.proxy_restarts = self.steps.proxy_restarts
+            result.seconds = {**self.ops.timings, "total": round(time.monotonic() - t_all, 2)}
+            self._record("deployed", result)   # its record playbook's connections close below
         finally:
             self.ops.close()
-        result.result = "rolled-out"
-        result.proxy_restarts = self.steps.proxy_restarts
-        result.seconds = {**self.ops.timings, "total": round(time.monotonic() - t_all, 2)}
-        self._record("deployed", result)
         return result
 
     def _install(self, hosts: list[str]) -> None:
@@ -385,19 +386,29 @@ class Rollout:
     # --- the release record ----------------------------------------------------------------------------
 
     def _record(self, result: str, res: RolloutResult) -> None:
+        """The release record, here and on the cluster's record hosts (a rolled-back rollout's record is written
+        where it can be; its failure is the error reported)."""
+        from kimictl.cluster_record import publish
+
         ok = result == "deployed"
-        state.record_release(self.cluster, state.ReleaseRecord.now(
+        rec = state.ReleaseRecord.now(
             release=self.release if ok else self.previous, cluster=self.cluster, topology=self.new.plan.topology,
             hosts=self.new.releases if ok else self.old.releases, result=result,
             run_dir=str(self.ops.run_dir) if ok else self.record.run_dir, kind="rollout",
             attempted_release=self.release, previous_release=self.previous, rollout_run_dir=str(self.ops.run_dir),
             sets=[s.raw for s in self.sets], error=res.error,
             changes=[{"slice": r.name, "hosts": r.hosts, "engines": r.engines, "result": r.result}
-                     for r in self.reports.values()]))
+                     for r in self.reports.values()])
+        state.record_release(self.cluster, rec)
+        publish(self.ops, self.inv, rec, say=self.say, required=ok)
 
 
-def prepare_rollout(inventory: Path, topology: str | None, set_items: list[str]) -> RolloutInputs:
-    """Validate everything exactly like deploy (plan + render of the new inputs) before any host is touched."""
+def prepare_rollout(inventory: Path, topology: str | None, set_items: list[str], *,
+                    read_cluster: bool = False, accept_new_keys: bool = False) -> RolloutInputs:
+    """Validate everything exactly like deploy (plan + render of the new inputs) before any host is touched.
+    `read_cluster`: read the cluster's release record back first (kimictl/cluster_record.py; the CLI does), once the
+    input checks that need no host passed."""
+    from kimictl.deployed import cached_deployment
     from kimictl.inventory import load_inventory
     from kimictl.pipeline import prepare
     from kimictl.plan import make_plan
@@ -406,9 +417,18 @@ def prepare_rollout(inventory: Path, topology: str | None, set_items: list[str])
     if topology:
         p = prepare(inventory, topology)
         sets = parse_sets(set_items, p.topology)  # bad --set: exit 2 before the recorded state is read
-        deployed = current_deployment(p.inventory.cluster.name)
+        inv = p.inventory
     else:
-        deployed = current_deployment(load_inventory(inventory).cluster.name)
+        inv = load_inventory(inventory)
+        cached = cached_deployment(inv.cluster.name) if read_cluster else None
+        try:
+            topo_path = cached.topology() if cached is not None else None
+        except InvalidInput:
+            topo_path = None   # not readable here: the cluster's record may name one that is
+        if topo_path:   # bad --set against the cached record's topology: exit 2 before any host is contacted
+            parse_sets(set_items, prepare(inventory, topo_path).topology)
+    deployed = current_deployment(inv.cluster.name, inv if read_cluster else None, accept_new_keys)
+    if not topology:
         p = prepare(inventory, deployed.topology())
         sets = parse_sets(set_items, p.topology)
     topo, inv = apply_sets(p.topology, p.inventory, sets)

@@ -46,3 +46,15 @@ def _key_read_back_reaches_no_host(monkeypatch: pytest.MonkeyPatch) -> None:
     from fake_sessions import held_keys
 
     monkeypatch.setattr("kimictl.key_readback.Sessions", held_keys({}))
+
+
+EMPTY_RECORD = '{"releases": null, "current": null, "snapshots": {}, "skipped": []}'
+
+
+@pytest.fixture(autouse=True)
+def record_hosts_hold_no_record(monkeypatch) -> None:
+    """The cluster's record hosts (kimictl/cluster_record.py) answer, holding no release record: no unit test reaches
+    a real host when a command reads the record back. Tests of the read-back replace this with their own hosts."""
+    from fake_sessions import fake_sessions
+
+    monkeypatch.setattr("kimictl.cluster_record.Sessions", fake_sessions(lambda _host, _cmd: EMPTY_RECORD))

@@ -27,7 +27,7 @@ from kimictl.sandbox import client, layout
 
 REPO = Path(__file__).resolve().parents[2]
 LOAD_S = 120.0   # the engines' start-up (as the bench sets it with --load-seconds)
-PLAYBOOK_S = {"release.yml": 4.0, "engines.yml": 6.0, "switch.yml": 2.0}
+PLAYBOOK_S = {"release.yml": 4.0, "engines.yml": 6.0, "switch.yml": 2.0, "record.yml": 1.0}
 PROXY_PLAYBOOK_S = 1.5   # engines.yml starting only the proxy
 PREFLIGHT_S = 3.0
 
@@ -163,7 +163,7 @@ def test_engine_start_is_the_wait_after_the_engines_playbook(deploy_json) -> Non
     secs = doc["seconds"]
     # the sample: every step deploy times, the proxy's own engines.yml run after the engines answer
     assert list(secs) == ["preflight", "01-release", "02-engines", "engines_ready", "03-engines", "smoke",
-                          "04-switch", "total"]
+                          "04-switch", "05-record", "total"]
     assert secs["02-engines"] == PLAYBOOK_S["engines.yml"] and secs["03-engines"] == PROXY_PLAYBOOK_S
     start, after = _bench().engine_start(secs)
     assert after == "02-engines"

@@ -39,6 +39,8 @@ class FakeOps:
         self.calls: list[tuple[str, Any]] = []
         self.fail_ready: set[str] = set()   # tags that never become ready
         self.installed: list[str] = []
+        self.records: list[tuple[dict[str, Any], list[str]]] = []   # record.yml runs: (extravars, hosts)
+        self.unwritable: dict[str, str] = {}   # record hosts record.yml cannot write, with why
 
     def limit(self, hosts: list[str]) -> None:
         self.inv = self.inv.limited(hosts)
@@ -68,6 +70,10 @@ class FakeOps:
 
     def reload_proxy(self, host: str) -> None:
         self.calls.append(("reload_proxy", host))
+
+    def write_record(self, extravars: dict[str, Any], hosts: list[str]) -> dict[str, str]:
+        self.records.append((extravars, list(hosts)))
+        return {h: why for h, why in self.unwritable.items() if h in hosts}
 
     def ready(self, p: Proc) -> health.Ready:
         st = self.procs.get(p.host, {}).get(p.id)
@@ -537,3 +543,67 @@ def test_deploy_refuses_a_host_reporting_a_command_kimictl_never_installs(tmp_pa
         _deploy(inv, new, ops, FakeHttp()).run()
     assert err.value.host == host
     assert not ops.calls, "nothing may change on any host"
+
+
+# --- the cluster's release record (issue 34) ---------------------------------------------------------------
+
+
+def _published(ops: FakeOps) -> list[tuple[str, str, bool, list[str]]]:
+    """record.yml runs: (release, result, with a render snapshot, hosts)."""
+    return [(json.loads(v["line"])["release"], json.loads(v["line"])["result"], v["release"] is not None, h)
+            for v, h in ops.records]
+
+
+def test_every_deploy_record_goes_to_the_record_hosts(tmp_path: Path) -> None:
+    """Failed, deployed, no-changes and adopted records alike; a deployed one with current.json and its snapshot."""
+    inv, old, new, ops = _deploy_setup(tmp_path)
+    rel = state.release_id(new.releases)
+    hosts = ["atlas-01", "atlas-02"]
+    with pytest.raises(HostError, match="smoke completion"):
+        _deploy(inv, new, ops, FakeHttp(broken=lambda url: url.endswith("/v1/completions"))).run()
+    _deploy(inv, new, ops, FakeHttp()).run()
+    _deploy(inv, new, ops, FakeHttp()).run()
+    state.record_release(CLUSTER, state.ReleaseRecord.now(release=state.release_id(old.releases), cluster=CLUSTER,
+                                                          hosts=old.releases, result="deployed"))
+    _deploy(inv, new, ops, FakeHttp()).run()   # adopted: what runs becomes current, here and on the cluster
+    assert _published(ops) == [(rel, "failed", False, hosts), (rel, "deployed", True, hosts),
+                               (rel, "no-changes", False, hosts), (rel, "deployed", True, hosts)]
+    adopted = ops.records[-1][0]
+    assert json.loads(adopted["line"])["kind"] == "adopted"
+    assert json.loads(Path(adopted["current"]).read_text())["release"] == rel
+    assert Rendered.model_validate_json(Path(adopted["snapshot"]["rendered.json"]).read_text()) == new
+
+
+def test_a_deploy_whose_record_reaches_no_record_host_fails_at_step_record(tmp_path: Path) -> None:
+    """The engines run the new release (recorded here, `current` switched); one record host not written is a
+    warning naming it; none written is an error naming them, step "record" - and nothing is rolled back."""
+    inv, _old, new, ops = _deploy_setup(tmp_path)
+    said: list[str] = []
+    ops.unwritable = {"atlas-02": "UNREACHABLE: no route to host"}
+    res = Deployer(inv, new.plan, new, DeployOptions(skip_preflight="unit test", skip_weights=True), said.append,
+                   ops=ops, http=FakeHttp()).run()
+    assert res.result == "deployed" and "05-record" not in res.seconds   # FakeOps times nothing
+    assert [m for m in said if m.startswith("warning:")] == [
+        f"warning: the release record of {res.release} was not written to record host atlas-02: UNREACHABLE: no route "
+        "to host"]
+    (tmp_path / "again").mkdir()
+    _, _old2, new2, ops2 = _deploy_setup(tmp_path / "again")
+    ops2.unwritable = {"atlas-01": "unreachable", "atlas-02": "unreachable"}
+    with pytest.raises(HostError, match="could not be written to any record host") as err:
+        _deploy(inv, new2, ops2, FakeHttp()).run()
+    assert (err.value.step, err.value.host) == ("record", "atlas-01")
+    assert not ops2.actions("rollback") and ops2.current == new2.releases
+    assert state.current(CLUSTER).release == state.release_id(new2.releases)
+
+
+def test_a_rollout_records_on_the_record_hosts_and_a_failed_one_too(tmp_path: Path) -> None:
+    ro, ops, _, _ = _rollout_setup(tmp_path, set())
+    ro.run()
+    assert _published(ops) == [(ro.release, "deployed", True, ["atlas-01", "atlas-02", "atlas-03"])]
+    assert Path(ops.records[0][0]["snapshot"]["topology.yml"]).is_file()   # the next rollout's default topology
+    (tmp_path / "b").mkdir()
+    ro2, ops2, _, _ = _rollout_setup(tmp_path / "b", {"decode-0-dp0"})
+    ops2.unwritable = dict.fromkeys(["atlas-01", "atlas-02", "atlas-03"], "down")
+    with pytest.raises(HostError, match="rollout to release"):   # the rollout's failure, not the record's
+        ro2.run()
+    assert [(r, res) for r, res, _, _ in _published(ops2)] == [(ro2.previous, "rolled-back")]
