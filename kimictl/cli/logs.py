@@ -40,9 +40,10 @@ def logs(
     """Tail each engine's and the proxy's log, or collect everything into one redacted tarball."""
     from kimictl.cluster_secrets import engine_api_key, proxy_admin_key, proxy_api_key
     from kimictl.inventory import load_inventory
-    from kimictl.logs import Redactor, build_bundle, tail_logs
+    from kimictl.logs import Redactor, build_bundle, check_engine_ids, tail_logs
 
     inv = load_inventory(inventory).limited(host)
+    check_engine_ids(inv, engine or [])
     redactor = Redactor.from_config(secrets_file=secrets_file,
                                     known=filter(None, [proxy_api_key(inv), proxy_admin_key(inv.cluster.name),
                                                         engine_api_key(inv, pd=True)]))
