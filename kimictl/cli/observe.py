@@ -3,7 +3,6 @@ Prometheus)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer

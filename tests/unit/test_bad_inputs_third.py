@@ -49,7 +49,8 @@ def test_inventory_refusals_name_the_file_key_and_host(inventory_factory, vars_,
 
 
 def test_a_one_host_cluster_may_use_a_loopback_business_ip(inventory_factory) -> None:
-    inv = inventory_factory(_inv({}, {"solo": {**A3P, "ansible_host": "solo.example.com", "kimi_host_ip": "127.0.0.1"}}))
+    solo = {**A3P, "ansible_host": "solo.example.com", "kimi_host_ip": "127.0.0.1"}
+    inv = inventory_factory(_inv({}, {"solo": solo}))
     result = _invoke(["validate", "-i", str(inv), "--topology", "a3-colocated"])
     assert result.exit_code == 0, result.output
 
