@@ -665,7 +665,7 @@ def _ssh_var_checks(c: _Collector, line: int, h: Host) -> None:
         except ValueError as exc:   # ssh, Ansible and kimictl's probes would each read it differently
             c.err(line, f"host {h.name}: {key}: {exc} (quotes must balance)")
             continue
-        for w, nxt in zip(words, [*words[1:], ""], strict=True):
+        for w, nxt in zip(words, [*words[1:], ""], strict=False):
             opt = nxt if w == "-o" else w[2:] if w.startswith("-o") else ""
             k, _, v = opt.partition("=")
             if k.strip().lower() == "stricthostkeychecking" and v.strip().lower() not in _STRICT_VALUES:
