@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from kimictl.errors import InvalidInput, InventoryError, did_you_mean
+from kimictl.errors import InvalidInput, InventoryError, did_you_mean, reported
 from kimictl.facts import hardware_catalogue, system_dirs
 from kimictl.secret_file import ENV_KEY, ENV_KEY_RULE, read_secret_file
 from kimictl.yamlsrc import LineMap, load_yaml, yaml_type_hint
@@ -61,6 +61,9 @@ def _no_dotdot(v: str) -> str:
     return v
 
 
+_PATH_MAX, _NAME_MAX = 4096, 255   # Linux's limits (limits.h): a longer path fails every open() on the host
+
+
 def _abs_path(v: str) -> str:
     if not v.startswith("/"):
         raise ValueError(f"{v!r} must be an absolute path")
@@ -69,6 +72,9 @@ def _abs_path(v: str) -> str:
     parts = v.split("/")
     if ".." in parts or "." in parts:
         raise ValueError(f"{v!r} must not contain '.' or '..' components")
+    if len(v) >= _PATH_MAX or any(len(p) > _NAME_MAX for p in parts):
+        raise ValueError(f"{v[:60]!r}... is longer than Linux allows (a path under {_PATH_MAX} bytes, each name at "
+                         f"most {_NAME_MAX})")
     return v.rstrip("/") or "/"
 
 
@@ -632,11 +638,7 @@ def _host_checks(c: _Collector, cluster: ClusterSettings, h: Host, seen_addr: di
             c.err(line, f"host {h.name}: address {addr} is also host {seen_addr[addr]} "
                         "(each host needs its own ansible_host / kimi_host_ip)")
         seen_addr.setdefault(addr, h.name)
-    for key in ("ansible_ssh_common_args", "ansible_ssh_extra_args"):
-        try:
-            shlex.split(str(h.ansible_vars.get(key, "")))
-        except ValueError as exc:   # ssh, Ansible and kimictl's probes would each read it differently
-            c.err(line, f"host {h.name}: {key}: {exc} (quotes must balance)")
+    _ssh_var_checks(c, line, h)
     try:
         ipaddress.ip_address(h.ansible_host)
     except ValueError:
@@ -652,6 +654,44 @@ def _host_checks(c: _Collector, cluster: ClusterSettings, h: Host, seen_addr: di
             if ip in seen_dev:
                 c.err(line, f"host {h.name}: device IP {ip} is also used by {seen_dev[ip]}")
             seen_dev.setdefault(ip, h.name)
+
+
+_SSH_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._@-]{0,63}")   # what useradd and ssh accept as a login name
+_STRICT_VALUES = ("yes", "no", "ask", "accept-new", "off")          # ssh_config(5) StrictHostKeyChecking
+
+
+def _ssh_var_checks(c: _Collector, line: int, h: Host) -> None:
+    """The connection variables ssh, Ansible and kimictl's probes each read: one reading for all three."""
+    user = h.ansible_vars.get("ansible_user")
+    if user is not None and not (isinstance(user, str) and _SSH_USER.fullmatch(user)):
+        c.err(line, f"host {h.name}: ansible_user: {reported(user)} is not a login name (letters, digits, '_', "
+                    "'.', '@', '-'; not starting with '-', which ssh would read as an option)")
+    for key in ("ansible_ssh_common_args", "ansible_ssh_extra_args"):
+        try:
+            words = shlex.split(str(h.ansible_vars.get(key, "")))
+        except ValueError as exc:   # ssh, Ansible and kimictl's probes would each read it differently
+            c.err(line, f"host {h.name}: {key}: {exc} (quotes must balance)")
+            continue
+        for w, nxt in zip(words, [*words[1:], ""], strict=False):
+            opt = nxt if w == "-o" else w[2:] if w.startswith("-o") else ""
+            k, _, v = opt.partition("=")
+            if k.strip().lower() == "stricthostkeychecking" and v.strip().lower() not in _STRICT_VALUES:
+                c.err(line, f"host {h.name}: {key}: StrictHostKeyChecking={v} is not one of "
+                            f"{', '.join(_STRICT_VALUES)} (ssh refuses to connect)")
+
+
+def _loopback_checks(c: _Collector, hosts: list[Host]) -> None:
+    """Loopback addresses reach only the host itself: never a device IP, and a business IP only in a one-host
+    cluster (other hosts, the proxy and the KV connector use it to reach this host)."""
+    for h in hosts:
+        line = c.host_line[h.name]
+        if h.kimi_host_ip and ipaddress.ip_address(h.kimi_host_ip).is_loopback and len(hosts) > 1:
+            c.err(line, f"host {h.name}: kimi_host_ip {h.kimi_host_ip} is a loopback address; the other hosts "
+                        "reach this one at its business IP")
+        bad = [ip for ip in h.kimi_device_ips or [] if ipaddress.ip_address(ip).is_loopback]
+        if bad:
+            c.err(line, f"host {h.name}: kimi_device_ips: {bad[0]} is a loopback address, not an NPU's device IP "
+                        "(hccn_tool -i N -ip -g)")
 
 
 def cross_check_errors(cluster: ClusterSettings, hosts: list[Host], path: Path) -> list[str]:
@@ -692,6 +732,7 @@ def _cross_checks(c: _Collector, cluster: ClusterSettings, hosts: list[Host]) ->
     seen_dev: dict[str, str] = {}
     for h in hosts:
         _host_checks(c, cluster, h, seen_addr, seen_dev)
+    _loopback_checks(c, hosts)
     for ip, host in seen_dev.items():   # the device network and the business network must not share an address
         if ip in seen_addr:
             c.err(c.host_line[host], f"host {host}: device IP {ip} is host {seen_addr[ip]}'s business address")

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kimictl import remote, state
-from kimictl.errors import InvalidInput, guide
+from kimictl.errors import InvalidInput, did_you_mean, guide
 from kimictl.facts import log_lines
 from kimictl.inventory import Inventory
 from kimictl.ssh import Sessions, SSHError
@@ -249,6 +249,27 @@ def collect_tails(inv: Inventory, lines: int, timeout: float = 30.0
     ok = {h: v for h, v in got.items() if not isinstance(v, SSHError)}
     bad = {h: str(v) for h, v in got.items() if isinstance(v, SSHError)}
     return ok, bad
+
+
+def check_engine_ids(inv: Inventory, engines: list[str]) -> None:
+    """--engine ids against the current release this control node recorded (exit 2 before any host is
+    contacted); without a record the hosts' own lists decide (tail_logs)."""
+    from kimictl.errors import KimictlError
+    from kimictl.rundir import run_snapshot
+
+    rec = state.current(inv.cluster.name)
+    if rec is None or not engines:
+        return
+    try:
+        rendered = run_snapshot(rec, "the current release")
+    except KimictlError:
+        return
+    known = {e.id for e in rendered.engines} | ({"proxy"} if rendered.proxy else set())
+    unknown = [e for e in engines if e not in known]
+    if unknown:
+        raise InvalidInput(f"--engine {', '.join(unknown)}: no such engine in release {rec.release[:12]} of "
+                           f"{inv.cluster.name}{did_you_mean(unknown[0], known)}",
+                           hint="known: " + ", ".join(sorted(known)))
 
 
 def tail_logs(inv: Inventory, *, roles: list[str] | None = None, engines: list[str] | None = None,

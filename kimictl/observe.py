@@ -380,6 +380,9 @@ class ObserveRender(BaseModel):
                 "slo": self.slo, "merge_prefix": self.prefix, "files": sorted(self.files)}
 
 
+_PREFIX = re.compile(r"[A-Za-z0-9._/+@-]+")
+
+
 def default_prefix(cluster: str) -> str:
     return f"/etc/prometheus/kimictl/{cluster}"
 
@@ -391,6 +394,9 @@ def render_observe(plan: Plan, inv: Inventory, topo: Topology, profile: str = "d
 
     cfg = load_config(profile)
     check_ports(plan, inv, cfg)
+    if prefix is not None and not _PREFIX.fullmatch(prefix):
+        raise InvalidInput(f"--prefix {prefix!r}: a directory path of letters, digits and . _ / + @ - (it is written "
+                           "into merge.yml's file lists as it is)")
     prefix = (prefix or default_prefix(plan.cluster)).rstrip("/")
     targets = scrape_targets(plan, inv, cfg)
     ctx = _rules_context(plan, inv, topo, cfg)

@@ -522,6 +522,9 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         warnings.append(f"kimi_model_id {inv.cluster.kimi_model_id} has no model facts (known: "
                         f"{', '.join(m.model_id for m in model_catalogue().values())}); "
                         f"the HBM estimate and the served name are {facts.name}'s")
+    if inv.cluster.kimi_draft_model_dir and not topo.speculative:
+        warnings.append(f"kimi_draft_model_dir {inv.cluster.kimi_draft_model_dir} is set but topology {topo.name} has "
+                        "no speculative section: the draft is not staged or loaded")
     fits, role_cfg = _fit_roles(inv, topo, hw, ver, prof, facts, decisions, warnings)
     conn = prof.connector(inv.cluster.kimi_kv_connector) if topo.mode == "pd" else None
     groups = _assign(inv, topo, hw)

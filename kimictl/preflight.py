@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from kimictl import ascend
-from kimictl.errors import KimictlError
+from kimictl.errors import InvalidInput, KimictlError, did_you_mean
 from kimictl.facts import VersionProfile, check_specs, engine_profile, hardware_catalogue, version_profile
 from kimictl.inventory import Host, Inventory
 from kimictl.plan import Plan
@@ -106,6 +106,15 @@ _SECTION = re.compile(r"^@@kimi begin (\S+)\n(.*?)\n?@@kimi end \1 (\d+)$", re.S
 
 def parse_sections(out: str) -> dict[str, tuple[str, int]]:
     return {m.group(1): (m.group(2), int(m.group(3))) for m in _SECTION.finditer(out)}
+
+
+def check_skip_ids(skip: set[str]) -> None:
+    """--skip-check names checks of data/checks.yml (exit 2 before any host is contacted)."""
+    known = check_specs()
+    for cid in sorted(skip):
+        if cid not in known:
+            raise InvalidInput(f"--skip-check {cid!r} is no preflight check{did_you_mean(cid, known)}",
+                               hint="`kimictl preflight --output json` lists every check id")
 
 
 class _Judge:
@@ -451,6 +460,7 @@ def run_preflight(inv: Inventory, plan: Plan, *, timeout: float = 20.0, accept_n
     in the probe: one round trip per host. Otherwise the probe reads the device IPs and a second round trip
     runs the mesh."""
     t_start = time.monotonic()
+    check_skip_ids(skip or set())
     j = _Judge(skip or set())
     need, estimate = checkpoint_bytes(inv)
     device_ips: dict[str, list[str | None]] = {h.name: list(h.kimi_device_ips) for h in inv.hosts

@@ -32,6 +32,7 @@ from kimictl.facts import (
     version_profiles,
 )
 from kimictl.topology import SERVE_TYPES, Topology
+from kimictl.yamlsrc import load_yaml
 
 ROLES = {"prefiller": "prefill", "decoder": "decode"}
 _NODE_IP = re.compile(r"^\$\{NODE_(\d+)_IP\}$")
@@ -124,10 +125,7 @@ class _Collect:
 
 
 def load_recipe(path: Path) -> dict[str, Any]:
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"{path}: not valid YAML: {exc}") from None
+    doc = load_yaml(path, "recipe")   # a regular file, size-capped, aliases bounded, errors at file:line
     if not isinstance(doc, dict):
         raise RecipeError(f"{path}: a recipe is a YAML mapping")
     if "deployment" in doc and "templates" not in doc:
@@ -225,8 +223,12 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
     ports = _ports(nodes, path)
     read_keys = set(ver.additional_config_keys or [])
     for node in nodes:
-        _map_env(node, ver, out)
-        _map_args(node, ver, read_keys, out)
+        try:
+            _map_env(node, ver, out)
+            _map_args(node, ver, read_keys, out)
+        except RecipeError as exc:   # a node's problem, named by the node's place in the file
+            exc.message = f"{path}: {exc.message}"
+            raise
     roles, speculative = _roles(nodes, instances, path)
     mid = str(doc["model"])
     model = find_model(mid)

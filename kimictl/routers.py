@@ -13,11 +13,26 @@ from collections.abc import Callable
 from typing import Any
 
 from kimictl import health
-from kimictl.errors import KimictlError
+from kimictl.errors import InvalidInput, KimictlError
 from kimictl.health import Ready
 from kimictl.router_kinds import CLIENT_PROBE_PATH, STATIC_PD_ROUTER_MARK, router_kind
 
 # --- readiness through the proxy port ----------------------------------------------------------------------------
+
+
+def check_router_url(url: str) -> str:
+    """`--router URL`: an http(s) URL of a host (and port), before any host is contacted (exit 2 naming it)."""
+    try:
+        u = urllib.parse.urlsplit(url)
+        port = u.port
+    except ValueError as exc:
+        raise InvalidInput(f"--router {url!r}: {exc}") from None
+    if u.scheme not in ("http", "https") or not u.hostname or u.query or u.fragment or u.username or u.password:
+        raise InvalidInput(f"--router {url!r}: give the router's base URL, http(s)://HOST[:PORT] (no credentials, "
+                           "query or fragment)")
+    if port == 0:
+        raise InvalidInput(f"--router {url!r}: port 0 is not a TCP port")
+    return url
 
 
 def proxy_ready(router: str | None, ip: str, port: int, served_name: str, timeout: float = 3.0,

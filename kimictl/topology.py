@@ -24,6 +24,7 @@ from kimictl.yamlsrc import LineMap, load_yaml, yaml_type_hint
 
 PRESET_DIR = DATA_DIR / "topologies"
 RoleName = Literal["prefill", "decode", "colocated"]
+NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"   # a topology's name: it names files, run dirs and metrics labels
 
 # Flags kimictl computes from the plan; a topology setting them would break ranks, ports or the connector.
 # `config` reads more flags from a YAML file on the host, where any of these could hide.
@@ -173,7 +174,7 @@ class Heal(_Strict):
 class Topology(_Strict):
     """A deployment shape: which roles exist, how big each instance is, and how engines are tuned."""
 
-    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,62}$")
+    name: str = Field(pattern=NAME_PATTERN)
     description: str
     hardware: str | None = Field(None, description="required hardware of every host; default: any one kind")
     mode: Literal["pd", "colocated"]
@@ -222,6 +223,9 @@ class Topology(_Strict):
             raise ValueError("mode pd needs launch external-dp (one vllm serve per DP rank, as vllm-ascend's P/D docs)")
         if self.mode == "pd" and self.proxy is None:
             raise ValueError("mode pd needs a proxy section (the P/D router in front of the engines)")
+        if self.mode == "colocated" and self.proxy is not None:
+            raise ValueError("proxy: a colocated topology has no P/D router (clients talk to the engines); remove the "
+                             "proxy section, or use mode pd")
         return self
 
     def role_serve(self, role: str) -> dict[str, ServeValue]:
@@ -267,6 +271,9 @@ def _check_serve(v: dict[str, ServeValue]) -> dict[str, ServeValue]:
         if abbreviates:
             raise ValueError(f"serve flag '{k}' abbreviates '{abbreviates[0]}', which {reserved_why(abbreviates[0])}; "
                              "remove it from the topology")
+        if "pipeline-parallel-size".startswith(k) and k.startswith("pipeline") and v[k] not in (1, "1"):
+            raise ValueError(f"serve flag '{k}': {v[k]!r}: kimictl plans DP x TP instances (NPUs, ports, HBM, KV "
+                             "layout); pipeline parallelism is not planned, remove it")
         if isinstance(v[k], str) and v[k].startswith("-") and not _NUMBER.fullmatch(v[k]):
             raise ValueError(f"serve flag '{k}' is {v[k]!r}: a value starting with '-' would be read as another "
                              "flag")

@@ -39,13 +39,47 @@ ReadyTimeoutOpt = Annotated[float | None, typer.Option(
     "--ready-timeout", min=1.0, help="Seconds to wait for engines to load (default: sized to the checkpoint).")]
 TokenFileOpt = Annotated[Path | None, typer.Option(
     "--token-file", help="Hub token file (mode 0600). Default: MODELSCOPE_API_TOKEN / HF_TOKEN from the environment.")]
-SkipPreflightOpt = Annotated[str | None, typer.Option("--skip-preflight", metavar="REASON",
+
+
+def _reason(value: str | None) -> str | None:
+    if value is not None and not value.strip():
+        raise typer.BadParameter("give the reason in words (it is printed and recorded)")
+    return value
+
+
+SkipPreflightOpt = Annotated[str | None, typer.Option("--skip-preflight", metavar="REASON", callback=_reason,
                                                       help="Skip preflight; the reason is printed.")]
 WaitOpt = Annotated[float, typer.Option(
     "--wait", metavar="SECONDS", min=0.0, help="When another command holds the cluster lease, wait up to SECONDS for "
                                                "it (default: exit 2 at once, naming the holder).")]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def out_dir(value: str | None) -> Path | None:
+    """`--out DIR` as given: not empty, and a directory or creatable as one (exit 2 before anything is written)."""
+    if value is None:
+        return None
+    if not value.strip():
+        raise InvalidInput("--out is empty: give the directory to write to (it is created when missing)")
+    from kimictl.render import check_out_dir
+
+    check_out_dir(Path(value))
+    return Path(value)
+
+
+@contextlib.contextmanager
+def writing_out(out: Path | None):
+    """Writing the files a user named with --out: a write that fails is exit 2 naming --out, not a crash."""
+    try:
+        yield
+    except OSError as exc:
+        target = Path(os.fsdecode(exc.filename)).absolute() if exc.filename is not None else None
+        if out is None or target is None or not (target == out.absolute() or out.absolute() in target.parents):
+            raise   # not a file under --out: the operation failing (handle_errors)
+        where = f" ({exc.filename})" if target != out.absolute() else ""
+        raise InvalidInput(f"--out {out}: cannot write there{where}: {exc.strerror or exc}",
+                           hint="give a writable directory") from None
 
 
 def stderr_console():

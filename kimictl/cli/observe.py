@@ -3,7 +3,6 @@ Prometheus)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -18,7 +17,9 @@ from kimictl.cli.common import (
     cluster_lease,
     emit_json,
     handle_errors,
+    out_dir,
     reporters,
+    writing_out,
 )
 from kimictl.errors import EXIT_DEGRADED
 
@@ -37,8 +38,8 @@ PrefixOpt = Annotated[str | None, typer.Option(
 def render_cmd(
     inventory: InventoryOpt,
     topology: TopologyOpt,
-    out: Annotated[Path, typer.Option("--out", help="Directory to write prometheus.yml, merge.yml, targets/, "
-                                                    "rules/ and dashboards/ to.")],
+    out_arg: Annotated[str, typer.Option("--out", help="Directory to write prometheus.yml, merge.yml, targets/, "
+                                                       "rules/ and dashboards/ to.")],
     profile: ProfileOpt = "default",
     prefix: PrefixOpt = None,
     output: OutputOpt = Output.text,
@@ -47,9 +48,12 @@ def render_cmd(
     from kimictl.observe import render_observe, write_observe
     from kimictl.pipeline import prepare
 
+    out = out_dir(out_arg)
+    assert out is not None
     p = prepare(inventory, topology)
     r = render_observe(p.plan, p.inventory, p.topology, profile, prefix)
-    write_observe(r, out)
+    with writing_out(out):
+        write_observe(r, out)
     if output == Output.json:
         emit_json({**r.summary(), "out": str(out)})
         return

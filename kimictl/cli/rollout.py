@@ -45,7 +45,10 @@ def rollout(
 ) -> None:
     """Roll a change out slice by slice: canary first, each slice drained, restarted, gated, re-added."""
     from kimictl.rollout.run import Rollout, RolloutOptions, prepare_rollout
+    from kimictl.routers import check_router_url
 
+    for url in router or []:
+        check_router_url(url)
     inputs = prepare_rollout(Path(inventory), topology, sets or [], read_cluster=True,
                              accept_new_keys=accept_new_host_keys)
     opts = RolloutOptions(canary=canary, serial=serial, check=check, drain_timeout=drain_timeout,

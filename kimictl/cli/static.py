@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 from enum import Enum
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from kimictl.cli.common import HostKeysOpt, InventoryOpt, Output, OutputOpt, TopologyOpt, emit_json, handle_errors
+from kimictl.cli.common import (
+    HostKeysOpt,
+    InventoryOpt,
+    Output,
+    OutputOpt,
+    TopologyOpt,
+    emit_json,
+    handle_errors,
+    out_dir,
+    writing_out,
+)
 from kimictl.errors import EXIT_DEGRADED
 
 
@@ -97,20 +106,20 @@ def plan(
 def render(
     inventory: InventoryOpt,
     topology: TopologyOpt,
-    out: Annotated[Path | None, typer.Option("--out", help="Write per-host files and render.json here.")] = None,
+    out_arg: Annotated[str | None, typer.Option("--out", help="Write per-host files and render.json here.")] = None,
     output: OutputOpt = Output.text,
 ) -> None:
     """Render per-host launch artifacts: engine env + launch scripts, container specs, proxy command."""
     from kimictl.pipeline import prepare
-    from kimictl.render import check_out_dir, write_rendered
     from kimictl.render import render as do_render
+    from kimictl.render import write_rendered
 
-    if out is not None:
-        check_out_dir(out)
+    out = out_dir(out_arg)
     p = prepare(inventory, topology)
     rendered = do_render(p.plan, p.inventory, p.topology)
     if out is not None:
-        write_rendered(rendered, out)
+        with writing_out(out):
+            write_rendered(rendered, out)
     if output == Output.json:
         emit_json(rendered.contract())
         return

@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from kimictl.cli.common import Output, OutputOpt, emit_json, handle_errors
+from kimictl.cli.common import Output, OutputOpt, emit_json, handle_errors, writing_out
+from kimictl.errors import InvalidInput
 
 app = typer.Typer(help="Topology files: import vllm-ascend's recipes (`kimictl topologies` lists the presets).",
                   no_args_is_help=True, rich_markup_mode=None)
@@ -29,11 +30,13 @@ def import_(
     """Turn an upstream P/D recipe into a kimictl topology; list kimictl's deviations and what did not map."""
     from kimictl.recipe import import_recipe
 
+    _check_import_flags(out, version, name)
     result = import_recipe(recipe, version=version, name=name)
     text = result.yaml()
     if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text)
+        with writing_out(out):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
     if output == Output.json:
         emit_json({"topology": result.topology, "out": str(out) if out else None, "source": result.source,
                    "test_name": result.test_name, "version": result.version, "hosts": result.hosts,
@@ -58,3 +61,23 @@ def import_(
         report.write(f"  {u.where}: {u.what} - {u.why}\n")
     if out is not None:
         report.write(f"next: kimictl plan -i INVENTORY --topology {out}\n")
+
+
+def _check_import_flags(out: Path | None, version: str | None, name: str | None) -> None:
+    """The flags, before the recipe is read: each refusal names its flag."""
+    import re
+
+    from kimictl.facts import version_profile
+    from kimictl.topology import NAME_PATTERN
+
+    if out is not None and (not str(out).strip() or out.is_dir()):
+        raise InvalidInput(f"--out {out}: {'is empty' if not str(out).strip() else 'is a directory'}; give the "
+                           "topology file to write", hint="e.g. --out topologies/k25-2p1d.yml")
+    if version is not None:
+        try:
+            version_profile(version)
+        except InvalidInput as exc:
+            raise InvalidInput(f"--version {version}: {exc.message.split(': ', 1)[-1]}") from None
+    if name is not None and not re.fullmatch(NAME_PATTERN, name):
+        raise InvalidInput(f"--name {name!r}: a topology name is 1-63 lower-case letters, digits, '.', '_' or '-', "
+                           "starting with a letter or digit")

@@ -149,7 +149,7 @@ def pull(
 ) -> None:
     """Put a verified copy of the checkpoint in kimi_model_dir on every host; moves only missing bytes."""
     from kimictl.inventory import load_inventory
-    from kimictl.weights.stage import PullOptions, read_token
+    from kimictl.weights.stage import PullOptions, read_token, validate_opts
     from kimictl.weights.stage import pull as do_pull
 
     whole = load_inventory(inventory)
@@ -157,6 +157,7 @@ def pull(
     opts = PullOptions(mode=mode, streams=streams, full=full, source_dir=source_dir,
                        accept_new_host_keys=accept_new_host_keys,
                        token=read_token(inv.cluster.kimi_model_source, token_file))
+    validate_opts(inv, opts)   # before the lease and the hosts
     rep = CliReporter()
     t0 = time.monotonic()
     try:

@@ -432,5 +432,9 @@ def prepare_rollout(inventory: Path, topology: str | None, set_items: list[str],
         p = prepare(inventory, deployed.topology())
         sets = parse_sets(set_items, p.topology)
     topo, inv = apply_sets(p.topology, p.inventory, sets)
-    plan = make_plan(inv, topo) if sets else p.plan
+    try:
+        plan = make_plan(inv, topo) if sets else p.plan
+    except InvalidInput as exc:   # the plan the --set items make
+        exc.message = f"--set {' '.join(s.raw for s in sets)}: {exc.message}"
+        raise
     return RolloutInputs(inv, deployed.record, deployed.rendered, render(plan, inv, topo), topo, sets)

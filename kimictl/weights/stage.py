@@ -122,6 +122,9 @@ def read_token(source: str, token_file: Path | None) -> str | None:
         if len(token.split()) > 1:   # it goes whole into an HTTP header
             raise InvalidInput(f"--token-file {token_file} holds {len(token.split())} words or lines; a hub token is "
                                "one")
+        if not token.isprintable():   # NUL or another control character: no HTTP header carries it
+            raise InvalidInput(f"--token-file {token_file} holds a control character (such as NUL); a hub token is "
+                               "printable text")
         return token
     for name in TOKEN_ENV.get(source, ()):
         if os.environ.get(name):
@@ -686,7 +689,8 @@ class Stager:
 
 # --- entry points ------------------------------------------------------------------------------------------
 
-def _validate_opts(inv: Inventory, opts: PullOptions) -> None:
+def validate_opts(inv: Inventory, opts: PullOptions) -> None:
+    """The pull's flags, checked before the lease and any host (exit 2 naming the flag)."""
     if opts.mode not in MODES:
         raise InvalidInput(f"--mode {opts.mode}: expected one of {', '.join(MODES)}")
     if opts.streams < 1 or opts.streams > 32:
@@ -704,7 +708,7 @@ def pull(inv: Inventory, opts: PullOptions, reporter: Reporter | None = None, ma
     """Stage the checkpoint on every host of inv; `manifest` saves a second listing when the caller has one."""
     from kimictl.weights.manifest import checkpoint_warnings, fetch_small
 
-    _validate_opts(inv, opts)
+    validate_opts(inv, opts)
     if opts.source_dir is not None and opts.mode == "sharded":
         opts.mode = "control"
     r = reporter or Reporter()

@@ -338,7 +338,7 @@ CHANGING = {
     "rollout": (["--set", "decode.serve.max-num-seqs=16", "--yes"], "kimictl.rollout.run.Rollout.run"),
     "stop": (["--limit", "atlas-03", "--yes"], "kimictl.lifecycle.stop"),   # a --limit still takes the lease
     "start": (["--yes"], "kimictl.lifecycle.start"),
-    "weights pull": ([], "kimictl.weights.stage.pull"),
+    "weights pull": (["--mode", "shared"], "kimictl.weights.stage.pull"),
     "observe up": (["--topology", "a3-pd"], "kimictl.observe_up.observe_up"),
 }
 
