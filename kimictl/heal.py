@@ -20,9 +20,20 @@ Flap damping: at most `max_actions` actions per slice within `window_s` (the eve
 `kimictl.state.heal_events`: a "started" event is written before an action touches anything, so an action whose
 heal was killed, or that a concurrent round on this control node runs now, counts); one more is refused and the
 run escalates (exit 1 with the reason). The only instance of a role is never restarted automatically: the run
-escalates, saying what it would have done. The steps themselves are the slice wing's, shared with the rollout
-(`kimictl.slices.steps.SliceSteps`); a heal restarts a slice on the release it runs, holding router copies as
-"heal:<pid>" (it never releases another command's hold).
+escalates, saying what it would have done.
+
+A host that does not answer (SSH) is not a reason to stop watching, nor to restart anything else: its slices are
+"unreachable", routed out of every router that still lists them (no wait: nothing in flight there can finish), and
+left alone; the round reports it (result "unreachable", exit 1 for `--once`) and the watch goes on. The event log
+gets one "host" event when a host stops answering and one ("back") when it answers again. A slice whose host came
+back with its engines not running (the host rebooted) is "returned": it is brought back the way any dead slice is
+healed (restart on the release the cluster runs, ready, pair smoke, re-add), also when it is its role's only
+instance - nothing serves it, so starting it cannot make anything worse; it stays "returned" until a heal of it
+succeeds, within the flap-damping window after the host's return.
+
+The steps themselves are the slice wing's, shared with the rollout (`kimictl.slices.steps.SliceSteps`); a heal
+restarts a slice on the release it runs, holding router copies as "heal:<pid>" (it never releases another
+command's hold).
 """
 
 from __future__ import annotations
@@ -56,8 +67,8 @@ from kimictl.slices.steps import SliceSteps, StepOptions
 from kimictl.topology import Heal as TopologyHeal
 
 HEAL_SCHEMA_VERSION = 1
-RESTART_KINDS = ("dead", "hung", "failing", "pair", "stale-peer")
-KINDS = (*RESTART_KINDS, "missing", "starting")
+RESTART_KINDS = ("dead", "hung", "failing", "pair", "stale-peer", "returned")
+KINDS = (*RESTART_KINDS, "missing", "starting", "unreachable")
 ALIVE = ("starting", "running")  # supervisor states of a process that runs (backoff: it crashed, waits to restart)
 
 
@@ -123,8 +134,8 @@ class Action:
     hosts: list[str]
     engines: list[str]
     reasons: list[str]  # finding kinds
-    steps: list[str]  # drain, restart, pair-smoke, readd
-    result: str = "planned"  # planned | healed | failed | escalated | skipped
+    steps: list[str]  # drain, restart, pair-smoke, readd; route-out (a slice whose host does not answer)
+    result: str = "planned"  # planned | healed | routed-out | failed | escalated | skipped
     seconds: dict[str, float] = field(default_factory=dict)
     probes: list[dict[str, Any]] = field(default_factory=list)
     error: str | None = None
@@ -135,7 +146,7 @@ class Action:
 class HealResult:
     cluster: str
     release: str
-    result: str  # healthy | planned | healed | failed | escalated
+    result: str  # healthy | planned | healed | deferred | unreachable | failed | escalated
     dry_run: bool
     findings: list[Finding]
     actions: list[Action]
@@ -145,11 +156,12 @@ class HealResult:
     proxy_gate: dict[str, Any] | None = None
     error: str | None = None
     seconds: float = 0.0
+    unreachable: dict[str, str] = field(default_factory=dict)  # host -> why it does not answer
 
     @property
     def exit_code(self) -> int:
         """0 healthy or healed; 3 actions pending (--dry-run, or deferred while another command held the cluster
-        lease); 1 an action failed or the run escalated."""
+        lease); 1 an action failed, a host does not answer or the run escalated."""
         return {"healthy": EXIT_OK, "healed": EXIT_OK, "planned": EXIT_DEGRADED,
                 "deferred": EXIT_DEGRADED}.get(self.result, EXIT_FAILED)
 
@@ -158,7 +170,7 @@ class HealResult:
                 "result": self.result, "dry_run": self.dry_run, "findings": [vars(f) for f in self.findings],
                 "actions": [vars(a) for a in self.actions], "escalations": self.escalations,
                 "proxy_gate": self.proxy_gate, "event_log": self.event_log, "run_dir": self.run_dir,
-                "error": self.error, "seconds": self.seconds}
+                "error": self.error, "seconds": self.seconds, "unreachable": self.unreachable}
 
 
 def _started(st: dict[str, Any] | None) -> float | None:
@@ -210,6 +222,11 @@ class Healer:
         self.procs: dict[str, Proc] = {p.id: p for p in desired_procs(rendered, inv)}
         self.observed: dict[str, HostObservation] = {}
         self.routers_error: str | None = None
+        self.unreachable: dict[str, str] = {}  # host -> why it does not answer (its SSH error)
+        self.down: set[str] = set()  # slices with a host that does not answer
+        self.listed: set[str] = set()  # those of them a router still lists
+        self.back: dict[str, float | None] = {}  # host that came back -> when (None: in this round)
+        self.events: list[dict[str, Any]] = []  # the heal event log as this round found it
         self.steps = SliceSteps(inv, rendered, rendered, self.ops, opts, say, procs=self._procs, http=http,
                                 router=router, instances=instances, front=front, owner=f"heal:{os.getpid()}")
         self.steps.proxy_proc = self.procs.get("proxy")
@@ -224,14 +241,19 @@ class Healer:
     # --- detection (no changes) ----------------------------------------------------------------------
 
     def detect(self) -> list[Finding]:
-        """Everything broken now, per slice (read-only: supervisor state over SSH, probes over HTTP)."""
-        self.observed = self.ops.observe()
+        """Everything broken now, per slice (read-only: supervisor state over SSH, probes over HTTP). The slices of
+        a host that does not answer are only "unreachable": none of their engines is asked anything."""
+        self.observed, self.unreachable = self.ops.observe_reachable()
+        self.events = state.heal_events(self.cluster)
+        self.back = self._returned_hosts()
         now = self.clock()
-        found: list[Finding] = []
+        found = self._unreachable_findings()
         for s in self.steps.slices.values():
-            found += self._process_findings(s, now)
+            if s.name not in self.down:
+                found += self._process_findings(s)
         sick = {f.engine for f in found}
-        ready_checks = [ep for s in self.steps.slices.values() for ep in s.endpoints if ep.engine not in sick]
+        ready_checks = [ep for s in self.steps.slices.values() if s.name not in self.down for ep in s.endpoints
+                        if ep.engine not in sick]
         with ThreadPoolExecutor(max_workers=max(1, min(16, len(ready_checks)))) as pool:
             answers = list(pool.map(self._ready, ready_checks))
         live: list[Endpoint] = []
@@ -251,15 +273,50 @@ class Healer:
     def _slice_of(self, engine: str) -> Slice:
         return next(s for s in self.steps.slices.values() if engine in s.engines)
 
-    def _process_findings(self, s: Slice, now: float) -> list[Finding]:
+    def _unreachable_findings(self) -> list[Finding]:
+        """The engines on hosts that do not answer; their slices are down (`self.down`)."""
+        self.down = {s.name for s in self.steps.slices.values() if set(s.hosts) & set(self.unreachable)}
+        return [Finding(s.name, "unreachable", e, self.procs[e].host,
+                        f"its host does not answer: {self.unreachable[self.procs[e].host]}")
+                for s in self.steps.slices.values() for e in s.engines if self.procs[e].host in self.unreachable]
+
+    def _returned_hosts(self) -> dict[str, float | None]:
+        """Hosts that answer again after they did not: the last "host" event of each says it was unreachable (it
+        comes back now: None), or it came back (its "back" event's time) within the flap-damping window."""
+        last = {str(ev.get("host")): ev for ev in self.events if ev.get("event") == "host"}
+        out: dict[str, float | None] = {}
+        for host, ev in last.items():
+            if host not in self.observed:
+                continue
+            if ev.get("result") == "unreachable":
+                out[host] = None
+            elif ev.get("result") == "back" and self.clock() - float(ev["ts"]) < self.opts.window:
+                out[host] = float(ev["ts"])
+        return out
+
+    def _returned(self, slice_name: str, host: str) -> bool:
+        """The slice's engine on `host` is down because its host went away: the host came back and no heal of the
+        slice has succeeded since."""
+        if host not in self.back:
+            return False
+        since = self.back[host]
+        return since is None or not any(
+            ev.get("event") == "action" and ev.get("slice") == slice_name and ev.get("result") == "healed"
+            and float(ev["ts"]) >= since for ev in self.events)
+
+    def _process_findings(self, s: Slice) -> list[Finding]:
         out = []
         states = {e: self._state(e) for e in s.engines}
         for e, st in states.items():
             host = self.procs[e].host
+            kind, back = "dead", ""
+            if self._returned(s.name, host):
+                kind, back = "returned", f"{host} answers again after it did not; "
             if st is None:
-                out.append(Finding(s.name, "dead", e, host, "not supervised on its host (stopped or never started)"))
+                out.append(Finding(s.name, kind, e, host, f"{back}not supervised on its host (stopped or never "
+                                   "started)"))
             elif st.get("state") not in ALIVE:
-                out.append(Finding(s.name, "dead", e, host, f"supervisor state {st.get('state')}, restarts "
+                out.append(Finding(s.name, kind, e, host, f"{back}supervisor state {st.get('state')}, restarts "
                                    f"{st.get('restarts', 0)}, last exit: {exit_text(st.get('last_exit'))}"))
             elif int(st.get("restarts", 0)) > 0 and len(s.engines) > 1:
                 out.append(Finding(s.name, "dead", e, host, f"crashed and was restarted alone by its supervisor "
@@ -366,7 +423,8 @@ class Healer:
         return out
 
     def _membership_findings(self, eps: list[Endpoint], sick: set[str]) -> list[Finding]:
-        """Healthy endpoints a router of the proxy does not list."""
+        """Healthy endpoints a router of the proxy does not list; the down slices a router still lists
+        (`self.listed`)."""
         try:
             self.steps.connect_routers()
         except KimictlError as exc:
@@ -380,6 +438,8 @@ class Healer:
             except RouterError as exc:
                 self.routers_error = exc.message
                 continue
+            self.listed |= {s.name for s in self.steps.slices.values() if s.name in self.down
+                            and any(ep.url in members for ep in s.endpoints)}
             for ep in eps:
                 if ep.engine not in sick and ep.url not in members:
                     out.append(Finding(self._slice_of(ep.engine).name, "missing", ep.engine, ep.host,
@@ -390,7 +450,8 @@ class Healer:
 
     def plan(self, findings: list[Finding]) -> tuple[list[Action], list[str]]:
         """One action per broken slice in plan order, and the escalations (flap damping, a role's only instance,
-        unplaceable faults)."""
+        unplaceable faults). A slice whose host does not answer is routed out while a router lists it, nothing
+        more; a role's only instance that is "returned" (its host came back without it) is brought back."""
         escalations = [f"{f.kind}: {f.detail}" for f in findings if not f.slice]
         recent = self.recent_actions()
         kinds: dict[str, list[str]] = {}
@@ -401,13 +462,17 @@ class Healer:
                     kinds[f.slice].append(f.kind)
         actions = []
         for name, s in self.steps.slices.items():
-            if name not in kinds:
+            if name in self.listed:
+                actions.append(Action(name, s.role, list(s.hosts), list(s.engines), ["unreachable"], ["route-out"]))
+            if name not in kinds or name in self.down:
                 continue
             restart = any(k in RESTART_KINDS for k in kinds[name])
             steps = ["drain", "restart", "pair-smoke", "readd"] if restart else ["readd"]
             a = Action(name, s.role, list(s.hosts), list(s.engines), kinds[name], steps)
             n = recent.get(name, 0)
-            if restart and sum(1 for x in self.steps.slices.values() if x.role == s.role) == 1:
+            # a slice whose host came back without it serves nothing: starting it cannot make anything worse
+            returned = "returned" in kinds[name] and set(kinds[name]) <= {"returned", "dead"}
+            if restart and not returned and sum(1 for x in self.steps.slices.values() if x.role == s.role) == 1:
                 a.result = "escalated"
                 a.error = (f"{name} is the only {s.role} instance: heal would have restarted it "
                            f"({', '.join(kinds[name])}), but never restarts a role's only instance by itself (every "
@@ -465,15 +530,28 @@ class Healer:
                     a.result, a.note = "skipped", f"not acting now: {busy}"
                     self.say(f"{a.slice}: {a.note}")
                     continue
-                self._act_one(a, pending, findings)
+                if a.steps == ["route-out"]:
+                    self._route_out(a)
+                else:
+                    self._act_one(a, pending, findings)
             pending.discard(a.slice)
             if "readd" in a.steps:
                 done.append(self.steps.slices[a.slice])
         if not done:
             return None
-        gate = self.steps.proxy_gate(done)
+        gate = self.steps.proxy_gate(done, skip=self.down)
         self.say(f"proxy gate: {gate['requests']} request(s) through the proxy reached every healed endpoint")
         return gate
+
+    def _route_out(self, a: Action) -> None:
+        """A slice whose host does not answer, out of every router that still lists it (no "started" event: nothing
+        restarts, it does not count towards flap damping; the host's "unreachable" event names its slices)."""
+        t0 = time.monotonic()
+        self.steps.route_out([self.steps.slices[a.slice]])
+        a.result, a.seconds["total"] = "routed-out", round(time.monotonic() - t0, 2)
+        gone = ", ".join(h for h in a.hosts if h in self.unreachable)
+        self.say(f"{a.slice}: routed out of {len(self.steps.routers)} router(s): {gone} does not answer; its "
+                 "engines are brought back when it does")
 
     def _act_one(self, a: Action, pending: set[str], findings: list[Finding]) -> None:
         """One action between its "started" event (written before anything is touched) and its end event."""
@@ -508,7 +586,7 @@ class Healer:
             self.ops.wait_ready(procs)
             a.seconds["restart_ready"] = round(time.monotonic() - t, 2)
             t = time.monotonic()
-            a.probes = self.steps.pair_gate([s], pending | {s.name})
+            a.probes = self.steps.pair_gate([s], pending | self.down | {s.name})
             a.seconds["pair_smoke"] = round(time.monotonic() - t, 2)
         if "readd" in a.steps:
             t = time.monotonic()
@@ -523,36 +601,66 @@ class Healer:
     # --- one round -----------------------------------------------------------------------------------
 
     def run(self) -> HealResult:
+        """One round. It ends with a result, never on a host: one that does not answer is reported (result
+        "unreachable" unless the round failed or escalated) and its slices routed out; a host whose answer cannot be
+        read fails this round only (the next one reads again)."""
         t0 = time.monotonic()
         res = HealResult(self.cluster, self.record.release, "healthy", self.opts.dry_run, [], [], [],
                          str(state.heal_events_path(self.cluster)))
         try:
-            res.findings = self.detect()
-            res.actions, res.escalations = self.plan(res.findings)
-            for f in res.findings:
-                if f.kind == "starting":
-                    self.say(f"{f.engine} on {f.host}: {f.detail}")
-            if self.opts.dry_run:
-                res.result = "escalated" if res.escalations else "planned" if res.actions else "healthy"
-                return res
-            for e in res.escalations:
-                state.append_heal_event(self.cluster, {"event": "escalate", "reason": e,
-                                                       "release": self.record.release})
-            if not any(a.result == "planned" for a in res.actions):
-                res.result = "escalated" if res.escalations else "healthy"
-                return res
-            res.run_dir = str(self.ops.run_dir)
-            try:
-                res.proxy_gate = self.act(res.actions, res.findings)
-            except KimictlError as exc:
-                res.result, res.error = "failed", exc.render()
-                return res
-            skipped = any(a.result == "skipped" for a in res.actions)   # the lease was another command's
-            res.result = "escalated" if res.escalations else "deferred" if skipped else "healed"
-            return res
+            self._round(res)
+        except HostError as exc:
+            res.result, res.error = "failed", exc.render()
         finally:
             res.seconds = round(time.monotonic() - t0, 2)
             self.ops.close()
+        res.unreachable = dict(self.unreachable)
+        if res.unreachable and res.result in ("healthy", "healed", "planned", "deferred"):
+            res.result = "unreachable"
+        return res
+
+    def _round(self, res: HealResult) -> None:
+        res.findings = self.detect()
+        res.actions, res.escalations = self.plan(res.findings)
+        for f in res.findings:
+            if f.kind == "starting":
+                self.say(f"{f.engine} on {f.host}: {f.detail}")
+        if self.opts.dry_run:
+            res.result = "escalated" if res.escalations else "planned" if res.actions else "healthy"
+            return
+        self._host_events()
+        for e in res.escalations:
+            state.append_heal_event(self.cluster, {"event": "escalate", "reason": e,
+                                                   "release": self.record.release})
+        if not any(a.result == "planned" for a in res.actions):
+            res.result = "escalated" if res.escalations else "healthy"
+            return
+        res.run_dir = str(self.ops.run_dir)
+        try:
+            res.proxy_gate = self.act(res.actions, res.findings)
+        except KimictlError as exc:
+            res.result, res.error = "failed", exc.render()
+            return
+        skipped = any(a.result == "skipped" for a in res.actions)   # the lease was another command's
+        res.result = "escalated" if res.escalations else "deferred" if skipped else "healed"
+
+    def _host_events(self) -> None:
+        """One "host" event when a host stops answering (`result` "unreachable", with why and its slices) and one
+        when it answers again ("back"); a host that stays away is reported by every round, logged once."""
+        last = {str(ev.get("host")): ev.get("result") for ev in self.events if ev.get("event") == "host"}
+        for host in sorted(set(self.unreachable) | set(self.back)):
+            mine = [s.name for s in self.steps.slices.values() if host in s.hosts]
+            if host in self.unreachable and last.get(host) != "unreachable":
+                state.append_heal_event(self.cluster, {"event": "host", "host": host, "result": "unreachable",
+                                                       "detail": self.unreachable[host], "slices": mine,
+                                                       "release": self.record.release})
+                self.say(f"{host} does not answer ({self.unreachable[host]}): its slice(s) {', '.join(mine) or '-'} "
+                         "are routed out and left alone until it does")
+            elif host in self.back and self.back[host] is None:
+                state.append_heal_event(self.cluster, {"event": "host", "host": host, "result": "back",
+                                                       "slices": mine, "release": self.record.release})
+                self.say(f"{host} answers again: its slice(s) {', '.join(mine) or '-'} come back (what does not run "
+                         f"there starts on release {self.record.release})")
 
 
 def prepare_heal(inventory: Path) -> HealInputs:

@@ -141,7 +141,20 @@ def installed_command(host: str, pid: str, cmd: Any, state_dir: str) -> list[str
 
 def observe(inv: Inventory, timeout: float = 15.0, accept_new_keys: bool = False,
             connect: Callable[..., Sessions] = Sessions) -> dict[str, HostObservation]:
-    """What the supervisor on each host runs now, and where `current` points (one SSH round trip per host)."""
+    """What the supervisor on each host runs now, and where `current` points (one SSH round trip per host); a host
+    that does not answer is a HostError naming it."""
+    got, bad = observe_reachable(inv, timeout, accept_new_keys, connect)
+    if bad:
+        host = next(iter(bad))
+        raise HostError(f"cannot read the current state of {len(bad)} host(s)", host=host, step="observe",
+                        details=[str(e) for e in bad.values()])
+    return got
+
+
+def observe_reachable(inv: Inventory, timeout: float = 15.0, accept_new_keys: bool = False,
+                      connect: Callable[..., Sessions] = Sessions,
+                      ) -> tuple[dict[str, HostObservation], dict[str, SSHError]]:
+    """`observe` of the hosts that answer, and the SSH error of each host that does not (heal watches on)."""
 
     def probe(name: str, s) -> HostObservation:
         sd = inv.host(name).kimi_state_dir
@@ -161,11 +174,7 @@ def observe(inv: Inventory, timeout: float = 15.0, accept_new_keys: bool = False
     with connect(inv, timeout=timeout, accept_new_keys=accept_new_keys) as sessions:
         got = sessions.each(probe)
     bad = {h: r for h, r in got.items() if isinstance(r, SSHError)}
-    if bad:
-        host = next(iter(bad))
-        raise HostError(f"cannot read the current state of {len(bad)} host(s)", host=host, step="observe",
-                        details=[str(e) for e in bad.values()])
-    return got  # type: ignore[return-value]
+    return {h: r for h, r in got.items() if not isinstance(r, SSHError)}, bad
 
 
 @dataclass
@@ -353,6 +362,11 @@ class HostOps:
     def observe(self, hosts: list[str] | None = None) -> dict[str, HostObservation]:
         inv = self.inv.limited(hosts) if hosts else self.inv
         return observe(inv, accept_new_keys=self.accept_new_host_keys, connect=self.connect)
+
+    def observe_reachable(self) -> tuple[dict[str, HostObservation], dict[str, str]]:
+        """`observe` of the hosts that answer, and why each other host does not (its SSH error)."""
+        got, bad = observe_reachable(self.inv, accept_new_keys=self.accept_new_host_keys, connect=self.connect)
+        return got, {h: str(e) for h, e in bad.items()}
 
     def ready(self, p: Proc) -> health.Ready:
         if p.kind == "proxy":

@@ -29,8 +29,11 @@ def heal_round(inventory: Path, given: HealGiven, say, on_event) -> HealResult:
 
 def print_result(res: HealResult) -> None:
     verb = {"healthy": "nothing to heal", "planned": "would heal", "healed": "healed", "failed": "heal failed",
-            "escalated": "escalated"}[res.result]
+            "escalated": "escalated", "deferred": "deferred (another command holds the cluster lease)",
+            "unreachable": "host(s) do not answer"}[res.result]
     typer.echo(f"{res.cluster} (release {res.release}): {verb}")
+    for host, why in res.unreachable.items():
+        typer.echo(f"  unreachable host {host}: {why}")
     for f in res.findings:
         typer.echo(f"  {f.kind:>10}  {f.slice or '-'}  {f.engine}{' on ' + f.host if f.host else ''}: {f.detail}")
     for a in res.actions:
@@ -80,7 +83,7 @@ def heal(
     output: OutputOpt = Output.text,
 ) -> None:
     """Detect dead, hung and mis-paired engines; drain, restart, pair-smoke and re-add their slices."""
-    from kimictl.errors import EXIT_FAILED
+    from kimictl.errors import EXIT_FAILED, HostError
     from kimictl.heal import heal_defaults
 
     given: HealGiven = {"dry_run": dry_run, "hang_deadline": hang_deadline, "max_actions": max_actions,
@@ -89,7 +92,14 @@ def heal(
     pause = interval or float(heal_defaults()["interval_s"])
     say, on_event = common.reporters("heal", events=("failed", "unreachable"))
     while True:
-        res = heal_round(Path(inventory), given, say, on_event)
+        try:
+            res = heal_round(Path(inventory), given, say, on_event)
+        except HostError as exc:
+            if once or dry_run:
+                raise
+            typer.echo(f"error: {exc.render()} (heal watches on)", err=True)
+            time.sleep(pause)
+            continue
         if output == Output.json:
             common.emit_json(res.to_json())
         else:

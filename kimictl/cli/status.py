@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kimictl.cli.common import InventoryOpt, Output, OutputOpt, emit_json, handle_errors
-from kimictl.errors import EXIT_DEGRADED, EXIT_FAILED, EXIT_OK
+from kimictl.errors import EXIT_DEGRADED, EXIT_FAILED, EXIT_OK, HostError
 
 EXIT_BY_STATE = {"healthy": EXIT_OK, "degraded": EXIT_DEGRADED, "down": EXIT_FAILED}
 
@@ -32,12 +32,19 @@ def status(
 
     inv = load_inventory(inventory)
     while True:
-        record = sync(inv)   # the cluster's release record: `release` and drift are judged against it
-        report = collect_status(inv, probe_pairs=not no_pair_probe)
-        if record.problems():
-            report.record_drift = record.problems()
-        if heal and report.state != "healthy":
-            report.heal = _heal_round(inventory)
+        try:
+            record = sync(inv)   # the cluster's release record: `release` and drift are judged against it
+            report = collect_status(inv, probe_pairs=not no_pair_probe)
+            if record.problems():
+                report.record_drift = record.problems()
+            if heal and report.state != "healthy":
+                report.heal = _heal_round(inventory)
+        except HostError as exc:  # a watch outlives what a round cannot reach; one look exits with it
+            if not watch:
+                raise
+            typer.echo(f"error: {exc.render()} (watching on)", err=True)
+            time.sleep(watch)
+            continue
         if output == Output.json:
             emit_json(report.to_json())
         else:
@@ -45,14 +52,19 @@ def status(
 
             print_to_stdout(status_view(report))
             if (h := report.heal) is not None:
-                typer.echo(f"heal: {h['result']}" + "".join(
-                    f"; {a['slice']} {'/'.join(a['reasons'])} -> {a['result']}" for a in h["actions"]))
+                typer.echo(_heal_line(h))
         if report.heal and report.heal.get("result") == "escalated":
             raise typer.Exit(EXIT_FAILED)
         if not watch:
             break
         time.sleep(watch)
     raise typer.Exit(EXIT_BY_STATE[report.state])
+
+
+def _heal_line(h: dict) -> str:
+    """The heal round in one line: its result, the hosts that do not answer, each action."""
+    return (f"heal: {h['result']}" + "".join(f" ({host} does not answer)" for host in h.get("unreachable") or {})
+            + "".join(f"; {a['slice']} {'/'.join(a['reasons'])} -> {a['result']}" for a in h["actions"]))
 
 
 def _heal_round(inventory: str) -> dict:

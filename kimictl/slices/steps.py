@@ -115,13 +115,7 @@ class SliceSteps:
         self.touched_done += [s for s in slices if s not in self.touched_done]
         eps = [ep for s in slices for ep in s.endpoints]
         for attempt in range(3):
-            for r in self.routers:
-                members = r.members()
-                for ep in eps:
-                    if ep.url in members:
-                        r.remove(ep.url, ep.role)
-            for s in slices:
-                self.stage[s.name] = "drained"
+            self.route_out(slices)
             self.say(f"drained {', '.join(s.name for s in slices)} from {len(self.routers)} router(s); waiting for "
                      "in-flight requests")
             got = wait_drained(eps, timeout=timeout, quiet=min(self.opts.drain_quiet, timeout),
@@ -139,6 +133,18 @@ class SliceSteps:
             self.say(f"a router lists {', '.join(back)} again (did it restart?); draining again ({attempt + 1}/3)")
         raise HostError(f"cannot keep {', '.join(s.name for s in slices)} out of the routers", step="drain",
                         host=slices[0].hosts[0])
+
+    def route_out(self, slices: list[Slice]) -> None:
+        """Out of every router that lists them, without waiting for anything (a heal routes the slices of a host
+        that does not answer out this way: nothing in flight there can finish)."""
+        eps = [ep for s in slices for ep in s.endpoints]
+        for r in self.routers:
+            members = r.members()
+            for ep in eps:
+                if ep.url in members:
+                    r.remove(ep.url, ep.role)
+        for s in slices:
+            self.stage[s.name] = "drained"
 
     def restart(self, slices: list[Slice], release: str) -> list[Proc]:
         stops: dict[str, list[str]] = {}
@@ -240,20 +246,21 @@ class SliceSteps:
         self.proxy_restarts.append({"why": why, "seconds": round(time.monotonic() - t0, 2), "kind": "proxy"})
 
     def proxy_gate(self, slices: list[Slice], attempts_per_endpoint: int = 8, timeout: float = 120.0,
-                    ) -> dict[str, Any]:
+                   skip: set[str] | frozenset[str] = frozenset()) -> dict[str, Any]:
         """Requests through the deployed proxy until every endpoint of the batch served its side of a P/D hand-over
         (counters moved) and the other side's counters moved too; every request must succeed. They go in waves of
         as many at once as the role has endpoints, per router copy (the front spreads connections over the copies):
         a round-robin router spreads any sequence, but one that picks the least loaded engine, first by order of
         joining (vllm-ascend's proxy), sends one request at a time to the same idle engine, and a re-added engine
-        joined last."""
+        joined last. The slices named in `skip` (routed out, their host does not answer) are not read."""
         from concurrent.futures import ThreadPoolExecutor
 
         assert self.new.proxy is not None
         url = f"http://{self.new.proxy.host}:{self.new.proxy.port}/v1/completions"
         eps = [ep for s in slices for ep in s.endpoints]
         counter = {"prefill": health.PREFILL_COUNTER, "decode": health.DECODE_COUNTER}
-        others = [ep for s in self.slices.values() for ep in s.endpoints if ep.role != eps[0].role]
+        others = [ep for s in self.slices.values() if s.name not in skip for ep in s.endpoints
+                  if ep.role != eps[0].role]
 
         def total(ep: Endpoint) -> float:
             return self.http.metric_totals(ep.ip, ep.port).get(counter[ep.role], 0.0)

@@ -45,18 +45,25 @@ class HealHttp(FakeHttp):
         self.completion_timeouts: list[float] = []
         self.direct: list[str] = []  # the engine of every completion sent straight to one engine (no hand-over)
         self.busy: set[str] = set()  # engines running requests whose tokens advance (a drain waits for them)
+        self.gone: list[str] = []  # every request to an engine on a host that is down (ops.down)
 
     def _flag(self, url: str) -> str | None:
-        e = self.eps.get(url.split("/v1/", 1)[0].rstrip("/"))
+        e = self.eps.get(url.split("/v1/", 1)[0].split("/metrics", 1)[0].rstrip("/"))
         if e is None:
             return None
-        return self.ops.procs[e.host][e.id].get("fault")
+        if e.host in self.ops.down:
+            self.gone.append(e.id)
+            return "gone"
+        st = self.ops.procs[e.host].get(e.id, {})
+        return st.get("fault") or ("down" if st.get("state") in ("dead", "stopped") else None)
 
     def engine_ready(self, ip: str, port: int, served: str, timeout: float = 3.0, api_key: str | None = None):
-        ok = self._flag(f"http://{ip}:{port}") != "down"
+        ok = self._flag(f"http://{ip}:{port}") not in ("down", "gone")
         return health.Ready(ok, "ready" if ok else "/health unreachable: connection refused")
 
     def metric_totals(self, ip: str, port: int, timeout: float = 3.0) -> dict[str, float]:
+        if self._flag(f"http://{ip}:{port}") in ("gone", "down"):
+            return {}  # no process, or no host, answers there
         totals = super().metric_totals(ip, port, timeout)
         n = totals[health.PREFILL_COUNTER]
         totals.update({"vllm:prompt_tokens_total": n, "vllm:generation_tokens_total": n})
@@ -71,6 +78,8 @@ class HealHttp(FakeHttp):
     def http_request(self, method: str, url: str, body: Any = None, timeout: float = 10.0,
                      headers: dict | None = None, api_key: str | None = None) -> tuple[int, str]:
         flag = self._flag(url)
+        if flag == "gone":
+            return 0, "connection refused"
         if flag in ("hung", "queued"):
             return 0, "timed out"
         if flag == "failing":
@@ -511,7 +520,7 @@ def _cli(monkeypatch, make, *args: str):
 
     monkeypatch.setattr(heal, "Healer", functools.partial(
         Healer, ops=make().ops, http=make.http, instances=lambda url, api_key=None, http=None: make.copies[url],
-        front=lambda url, api_key=None, http=None: FakeFront([]), sleep=lambda s: None))
+        front=lambda url, api_key=None, http=None: FakeFront([]), sleep=lambda s: None, hold=make.hold))
     return CliRunner().invoke(app, ["heal", *args])
 
 
@@ -583,3 +592,208 @@ def test_heal_takes_the_lease_per_action_and_skips_while_another_command_holds_i
     res = make().run()
     assert res.actions[0].result == "skipped" and "cannot reach the lock host" in res.actions[0].note
     assert _restarted(ops) == []
+
+
+# --- a host that does not answer, and comes back -----------------------------------------------------------------
+
+
+def _host_events() -> list[tuple[str, str, list[str]]]:
+    return [(e["host"], e["result"], e["slices"]) for e in state.heal_events(CLUSTER) if e["event"] == "host"]
+
+
+def _listed(make, urls: set[str]) -> list[set[str]]:
+    """Per router copy, which of `urls` it lists."""
+    return [urls & set(c.members()) for c in make.copies.values()]
+
+
+def _take_down(ops, rendered, instance: str) -> tuple[str, list[Any]]:
+    engines = _engines(rendered, instance)
+    host = engines[0].host
+    assert {e.host for e in engines} == {host}
+    ops.down.add(host)
+    return host, engines
+
+
+def _reboot(ops, host: str) -> None:
+    """The host answers again; its supervisors died with it (their records say "dead")."""
+    ops.down.discard(host)
+    for st in ops.procs[host].values():
+        st.update(state="dead", fault=None)
+
+
+def test_a_host_that_does_not_answer_is_reported_and_routed_out_once_and_nothing_else_restarts(tmp_path) -> None:
+    """decode-1's host goes down: the round returns (no exception), reports it, routes decode-1 out of every router
+    copy (under the lease: deferred while another command holds it), asks its engines nothing and restarts nothing;
+    one "unreachable" event however many rounds it stays away."""
+    make, ops, rendered, log = _cluster(tmp_path)
+    host, d1 = _take_down(ops, rendered, "decode-1")
+    urls = _urls(d1)
+    dry = make(HealOptions.resolve(dry_run=True)).run()
+    assert (dry.result, [(a.slice, a.steps) for a in dry.actions]) == ("unreachable", [("decode-1", ["route-out"])])
+    assert not state.heal_events_path(CLUSTER).exists() and _listed(make, urls) == [urls, urls]
+
+    @contextlib.contextmanager
+    def held(command: str):
+        yield Attempt(False, Holder(hostname="ci-7", user="ci", pid=42, command="kimictl rollout"))
+
+    make.hold = held
+    res = make().run()
+    assert (res.result, res.exit_code, res.error) == ("unreachable", 1, None)
+    assert set(res.unreachable) == {host} and "Connection refused" in res.unreachable[host]
+    assert {(f.kind, f.slice) for f in res.findings} == {("unreachable", "decode-1")}
+    assert sorted(f.engine for f in res.findings) == sorted(e.id for e in d1)
+    assert [(a.slice, a.result) for a in res.actions] == [("decode-1", "skipped")] and "ci-7" in res.actions[0].note
+    assert _listed(make, urls) == [urls, urls]
+    assert _host_events() == [(host, "unreachable", ["decode-1"])]
+
+    make.hold = free_lease
+    res = make().run()
+    [a] = res.actions
+    assert (a.slice, a.reasons, a.steps, a.result) == ("decode-1", ["unreachable"], ["route-out"], "routed-out")
+    assert res.result == "unreachable" and _listed(make, urls) == [set(), set()]
+    assert not [x for x in log if x[1] in ("add", "hold")]  # no re-add, no held copy: a remove is enough
+    for _ in range(2):  # it stays away: reported every round, acted on and logged once
+        res = make().run()
+        assert (res.result, res.actions, set(res.unreachable)) == ("unreachable", [], {host})
+    assert _host_events() == [(host, "unreachable", ["decode-1"])]
+    assert not ops.actions() and not [e for e in state.heal_events(CLUSTER) if e["event"] != "host"]
+    assert make.http.gone == []  # its engines were asked nothing (no readiness, probe, drain sample)
+
+
+def test_while_a_host_is_away_another_slice_heals_with_live_partners_only(tmp_path: Path) -> None:
+    """decode-0's host is down and prefill-1 crashes: prefill-1 alone restarts; its pair smoke and the proxy gate
+    use decode-1 and never wait on the host that is away."""
+    make, ops, rendered, _ = _cluster(tmp_path)
+    _take_down(ops, rendered, "decode-0")
+    assert [a.result for a in make().run().actions] == ["routed-out"]
+    p1 = _engines(rendered, "prefill-1")
+    _set(ops, p1[:1], state="failed", last_exit={"code": 1})
+    res = make().run()
+    assert res.result == "unreachable" and res.error is None
+    assert [(a.slice, a.result) for a in res.actions] == [("prefill-1", "healed")]
+    assert _restarted(ops) == [sorted(e.id for e in p1)]
+    assert {p["decode"] for a in res.actions for p in a.probes} <= {e.id for e in _engines(rendered, "decode-1")}
+    assert res.proxy_gate and res.proxy_gate["ok"] and make.http.gone == []
+
+
+def test_a_host_that_comes_back_gets_its_engines_started_on_the_current_release_smoked_and_readded(tmp_path) -> None:
+    make, ops, rendered, log = _cluster(tmp_path)
+    host, d1 = _take_down(ops, rendered, "decode-1")
+    urls = _urls(d1)
+    assert make().run().result == "unreachable"
+    _reboot(ops, host)
+    del log[:]
+    res = make().run()
+    assert res.result == "healed" and res.exit_code == 0 and res.unreachable == {}, res.error
+    assert {(f.kind, f.slice) for f in res.findings} == {("returned", "decode-1")}
+    assert f"{host} answers again after it did not; supervisor state dead" in res.findings[0].detail
+    [a] = res.actions
+    assert (a.slice, a.reasons, a.steps, a.result) == ("decode-1", ["returned"], ["drain", "restart", "pair-smoke",
+                                                                                  "readd"], "healed")
+    assert _restarted(ops) == [sorted(e.id for e in d1)]  # that slice alone
+    # started as the current render says (its tag and command, on the release recorded for that host)
+    want = {p.id: p for p in desired_procs(rendered, ops.inv) if p.host == host}
+    assert {i: (st["tag"], st["cmd"]) for i, st in ops.procs[host].items()} == {
+        i: (p.tag, p.cmd) for i, p in want.items()}
+    assert all(f"/releases/{rendered.releases[host]}/" in p.cmd[1] for p in want.values())
+    # ready, then pair smoke against live prefill partners, then back into every router copy
+    assert ("wait_ready", sorted(e.id for e in d1)) in ops.calls
+    assert {p["decode"] for p in a.probes} == {e.id for e in d1 if e.serves_http} and all(p["ok"] for p in a.probes)
+    assert _listed(make, urls) == [urls, urls] and res.proxy_gate and res.proxy_gate["ok"]
+    assert [(e["event"], e.get("result")) for e in state.heal_events(CLUSTER)] == [
+        ("host", "unreachable"), ("host", "back"), ("action", "started"), ("action", "healed")]
+    again = make().run()
+    assert (again.result, again.findings) == ("healthy", []) and len(state.heal_events(CLUSTER)) == 4
+
+
+def test_a_host_whose_engines_kept_running_is_only_readded(tmp_path: Path) -> None:
+    """A host cut off and back with its engines still running: nothing to restart; routed out while away, re-added
+    when its engines answer (and hand over) again."""
+    make, ops, rendered, _ = _cluster(tmp_path)
+    host, d1 = _take_down(ops, rendered, "decode-1")
+    make().run()
+    ops.down.discard(host)
+    res = make().run()
+    assert res.result == "healed" and {f.kind for f in res.findings} == {"missing"}
+    assert [a.steps for a in res.actions] == [["readd"]] and not ops.actions()
+    assert _listed(make, _urls(d1)) == [_urls(d1)] * 2
+    assert [e["result"] for e in state.heal_events(CLUSTER)] == ["unreachable", "back", "started", "healed"]
+
+
+def test_bringing_a_host_back_waits_for_the_lease_and_is_retried_next_round(tmp_path: Path) -> None:
+    make, ops, rendered, _ = _cluster(tmp_path)
+    host, d1 = _take_down(ops, rendered, "decode-1")
+    make().run()
+    _reboot(ops, host)
+
+    @contextlib.contextmanager
+    def held(command: str):
+        yield Attempt(False, Holder(hostname="ci-7", user="ci", pid=42, command="kimictl rollout"))
+
+    make.hold = held
+    res = make().run()
+    assert (res.result, res.exit_code) == ("deferred", 3) and res.actions[0].result == "skipped"
+    assert _restarted(ops) == []
+    make.hold = free_lease
+    res = make().run()
+    assert res.result == "healed" and res.actions[0].reasons == ["returned"], res.error
+    assert _restarted(ops) == [sorted(e.id for e in d1)]
+    assert [e["result"] for e in state.heal_events(CLUSTER)] == ["unreachable", "back", "started", "healed"]
+
+
+def test_the_only_instance_whose_host_came_back_is_brought_back_but_not_restarted_when_it_breaks_later(tmp_path):
+    """1P1D: the decode host reboots. Its only decode instance serves nothing then, so heal starts it (that cannot
+    make anything worse); once healed it is an ordinary only instance again: a later crash escalates."""
+    make, ops, rendered, _ = _cluster(tmp_path, hosts=2)
+    host, d0 = _take_down(ops, rendered, "decode-0")
+    res = make().run()
+    assert res.result == "unreachable" and [a.result for a in res.actions] == ["routed-out"]
+    assert res.escalations == []
+    _reboot(ops, host)
+    res = make().run()
+    assert res.result == "healed" and res.escalations == [], res.error
+    assert _restarted(ops) == [sorted(e.id for e in d0)]
+    _set(ops, d0[:1], state="failed", last_exit={"code": 1})
+    res = make().run()
+    assert res.result == "escalated" and "decode-0 is the only decode instance" in res.escalations[0]
+    assert len(_restarted(ops)) == 1
+
+
+def test_a_failed_bring_back_is_retried_then_damped(tmp_path: Path) -> None:
+    """The returned slice stays "returned" until a heal of it succeeds; each try counts towards flap damping."""
+    make, ops, rendered, _ = _cluster(tmp_path, hosts=2)
+    host, d0 = _take_down(ops, rendered, "decode-0")
+    make().run()
+    _reboot(ops, host)
+    ops.fail_ready = {p.tag for p in desired_procs(rendered, ops.inv) if p.host == host}
+    o = HealOptions.resolve(drain_quiet=0.0, max_actions=2, hang_deadline=0.5)
+    for _ in range(2):
+        res = make(o).run()
+        assert res.result == "failed" and res.actions[0].reasons == ["returned"] and "did not become ready" in res.error
+        _set(ops, d0, state="failed", last_exit={"code": 1})  # it crashed during its start-up
+    res = make(o).run()
+    assert res.result == "escalated" and "decode-0: 2 heal action(s) started" in res.escalations[0]
+    assert len(_restarted(ops)) == 2
+
+
+def test_heal_without_once_watches_on_while_a_host_does_not_answer(tmp_path: Path, monkeypatch) -> None:
+    from kimictl.cli import heal as heal_cli
+
+    make, ops, rendered, _ = _cluster(tmp_path)
+    make().steps.connect_routers()
+    host, _ = _take_down(ops, rendered, "decode-1")
+    naps: list[float] = []
+
+    def nap(s: float) -> None:
+        naps.append(s)
+        if len(naps) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(heal_cli.time, "sleep", nap)
+    got = _cli(monkeypatch, make, "-i", str(tmp_path / "inv.yml"), "--interval", "7")
+    assert got.exit_code == 130 and naps == [7.0] * 3, got.output  # three rounds, stopped by Ctrl-C only
+    assert got.stdout.count("host(s) do not answer") == 3 and f"unreachable host {host}:" in got.stdout
+    assert "decode-1 (decode on " in got.stdout and "route-out [routed-out]" in got.stdout
+    assert "Traceback" not in got.output
+    once = _cli(monkeypatch, make, "-i", str(tmp_path / "inv.yml"), "--once", "--output", "json")
+    assert once.exit_code == 1 and json.loads(once.stdout)["unreachable"].keys() == {host}

@@ -41,14 +41,22 @@ class FakeOps:
         self.installed: list[str] = []
         self.records: list[tuple[dict[str, Any], list[str]]] = []   # record.yml runs: (extravars, hosts)
         self.unwritable: dict[str, str] = {}   # record hosts record.yml cannot write, with why
+        self.down: set[str] = set()  # hosts that do not answer SSH
 
     def limit(self, hosts: list[str]) -> None:
         self.inv = self.inv.limited(hosts)
 
     def observe(self, hosts: list[str] | None = None) -> dict[str, HostObservation]:
+        gone = sorted(h.name for h in self.inv.hosts if h.name in self.down and (hosts is None or h.name in hosts))
+        if gone:
+            raise HostError(f"cannot read the current state of {len(gone)} host(s)", host=gone[0], step="observe")
         return {h.name: HostObservation({k: dict(v) for k, v in self.procs.get(h.name, {}).items()},
                                         self.current.get(h.name)) for h in self.inv.hosts
                 if hosts is None or h.name in hosts}
+
+    def observe_reachable(self) -> tuple[dict[str, HostObservation], dict[str, str]]:
+        up = [h.name for h in self.inv.hosts if h.name not in self.down]
+        return self.observe(up), {h: f"{h}: [Errno 111] Connection refused" for h in sorted(self.down)}
 
     def apply_actions(self, stops: dict[str, list[str]], starts: dict[str, list[dict[str, Any]]], what: str) -> None:
         self.calls.append(("actions", what, {h: sorted(v) for h, v in stops.items()},

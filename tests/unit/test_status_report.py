@@ -202,3 +202,68 @@ def test_status_heal_puts_the_heal_report_last(cluster, monkeypatch, tmp_path: P
     assert list(doc)[-2:] == ["at", "heal"] and doc["heal"] == heal
     text = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml"), "--heal"])
     assert text.exit_code == 1 and "heal: escalated; decode-0 dead -> escalated" in text.stdout
+
+
+def _naps(monkeypatch, rounds: int) -> list[float]:
+    """`status --watch`'s sleeps, recorded; Ctrl-C (KeyboardInterrupt) after `rounds` of them."""
+    from kimictl.cli import status as status_cli
+
+    naps: list[float] = []
+
+    def nap(s: float) -> None:
+        naps.append(s)
+        if len(naps) == rounds:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(status_cli.time, "sleep", nap)
+    return naps
+
+
+def test_an_unreachable_host_is_exit_3_once_and_a_watch_goes_on(cluster, monkeypatch, tmp_path: Path) -> None:
+    """Issue 34: one look at a cluster with a host that does not answer reports it (exit 3, degraded, no traceback);
+    `--watch` keeps watching it - also past a round that fails on a host - until Ctrl-C."""
+    from typer.testing import CliRunner
+
+    from kimictl.cli.main import app
+    from kimictl.errors import HostError
+
+    monkeypatch.setattr(status, "_probe", lambda inv, timeout: _degraded())
+    once = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml")])
+    assert once.exit_code == 3 and "atlas-03: unreachable: atlas-03: connection refused" in once.stdout
+    assert "Traceback" not in once.output
+    rounds = iter([HostError("cannot read the current state of 1 host(s)", host="atlas-03", step="observe")])
+
+    def probe(inv, timeout):
+        err = next(rounds, None)
+        if err:
+            raise err
+        return _degraded()
+
+    monkeypatch.setattr(status, "_probe", probe)
+    naps = _naps(monkeypatch, 3)
+    watch = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml"), "--watch", "5"])
+    assert watch.exit_code == 130 and naps == [5.0] * 3, watch.output  # only Ctrl-C ended it
+    assert "error: cannot read the current state of 1 host(s) (host atlas-03, step observe) (watching on)" in \
+        watch.stderr
+    assert watch.stdout.count("atlas-03: unreachable") == 2 and "Traceback" not in watch.output
+    rounds = iter([HostError("cannot read the current state of 1 host(s)", host="atlas-03", step="observe")])
+    one = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml")])
+    assert one.exit_code == 1 and "error: cannot read" in one.stderr and "Traceback" not in one.output
+
+
+def test_status_watch_heal_goes_on_while_a_host_does_not_answer(cluster, monkeypatch, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kimictl.cli import status as status_cli
+    from kimictl.cli.main import app
+
+    monkeypatch.setattr(status, "_probe", lambda inv, timeout: _degraded())
+    heal = iter([{"result": "unreachable", "unreachable": {"atlas-03": "atlas-03: connection refused"},
+                  "actions": [{"slice": "decode-1", "reasons": ["unreachable"], "result": "routed-out"}]},
+                 {"result": "unreachable", "unreachable": {"atlas-03": "atlas-03: connection refused"}, "actions": []}])
+    monkeypatch.setattr(status_cli, "_heal_round", lambda inventory: next(heal))
+    naps = _naps(monkeypatch, 2)
+    got = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml"), "--watch", "5", "--heal"])
+    assert got.exit_code == 130 and naps == [5.0, 5.0], got.output
+    assert "heal: unreachable (atlas-03 does not answer); decode-1 unreachable -> routed-out\n" in got.stdout
+    assert got.stdout.endswith("heal: unreachable (atlas-03 does not answer)\n")
