@@ -76,7 +76,8 @@ def plan(
     topology: TopologyOpt,
     output: OutputOpt = Output.text,
     detailed_exitcode: Annotated[bool, typer.Option("--detailed-exitcode",
-                                                    help="Exit 3 when the plan differs from the deploy.")] = False,
+                                                    help="Exit 3 when the plan differs from the deploy (the "
+                                                         "cluster's release record, read back over SSH).")] = False,
 ) -> None:
     """Show host->role assignment, DP x TP x EP, per-NPU HBM and KV capacity (estimates), ports, switches,
     and which hosts would change against the last recorded deploy."""
@@ -85,6 +86,10 @@ def plan(
     from kimictl.state import deployed_diff
 
     p = prepare(inventory, topology)
+    if detailed_exitcode:   # a drift check (CI): against what the cluster records, not only this control node
+        from kimictl.cluster_record import sync
+
+        sync(p.inventory)
     diff = deployed_diff(p.plan.cluster, do_render(p.plan, p.inventory, p.topology).releases)
     if output == Output.json:
         emit_json({"schema_version": 1, **p.plan.model_dump(mode="json"), "deployed": diff})

@@ -383,3 +383,25 @@ def test_status_reads_the_record_back_and_its_json_carries_the_drift(monkeypatch
     _hosts(monkeypatch, dict.fromkeys(["atlas-01", "atlas-02", "atlas-03"], _answer([r_old, r_new], r_new, snaps)))
     again = json.loads(CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml"), "--output", "json"]).stdout)
     assert "record_drift" not in again
+
+
+def test_plan_detailed_exitcode_judges_against_the_clusters_record(monkeypatch, cluster) -> None:
+    """A drift check from an empty control node (CI): `plan --detailed-exitcode` reads the record back, so the
+    release the cluster runs is no change (exit 0) and another plan is (exit 3); plain `plan` reaches no host."""
+    from typer.testing import CliRunner
+
+    from kimictl.cli.main import app
+
+    inv, old, new = cluster
+    r_old = _rec(old, "2025-01-01T00:00:00+00:00")
+    sent = _hosts(monkeypatch, {h: _answer([r_old], r_old, {r_old.release: old.model_dump_json()})
+                                for h in ("atlas-01", "atlas-02", "atlas-03")})
+    plain = CliRunner().invoke(app, ["plan", "-i", inv.path, "--topology", "a3-pd"])
+    assert plain.exit_code == 0 and not sent and "nothing recorded" in plain.stdout
+    same = CliRunner().invoke(app, ["plan", "-i", inv.path, "--topology", "a3-pd", "--detailed-exitcode"])
+    assert same.exit_code == 0, same.output
+    assert f"deployed: release {r_old.release}; no changes" in same.stdout and len(sent) == 3
+    topo = Path(inv.path).with_name("t.yml")   # a3-pd with decode's max-num-seqs 32 -> 16
+    topo.write_text(Path(load_topology("a3-pd").source).read_text().replace("max-num-seqs: 32", "max-num-seqs: 16"))
+    changed = CliRunner().invoke(app, ["plan", "-i", inv.path, "--topology", str(topo), "--detailed-exitcode"])
+    assert changed.exit_code == 3, changed.output
