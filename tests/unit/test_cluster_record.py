@@ -392,7 +392,7 @@ def test_plan_detailed_exitcode_judges_against_the_clusters_record(monkeypatch, 
 
     from kimictl.cli.main import app
 
-    inv, old, new = cluster
+    inv, old, _new = cluster
     r_old = _rec(old, "2025-01-01T00:00:00+00:00")
     sent = _hosts(monkeypatch, {h: _answer([r_old], r_old, {r_old.release: old.model_dump_json()})
                                 for h in ("atlas-01", "atlas-02", "atlas-03")})
