@@ -38,6 +38,13 @@ closed the connection before a whole response head, or (client paths but the key
 503 or 504, whose answer is then dropped unsent. Only once (a second failure reaches the client), never after a byte
 went out (a stream cut after its head fails as it is), never after a 4xx; a body too large to keep is not sent twice
 (502, or the router's 5xx as is).
+The same goes for an answer that looks whole but is not: a 2xx answer to a non-streaming generation request (POST
+/v1/completions or /v1/chat/completions whose kept JSON body does not set "stream") is kept back until whole (at most
+HOLD_MAX bytes, HOLD_BUDGET for all such answers at a time, and --request-timeout from its head; past these it goes
+out as it came so far and the rest as it arrives), and an empty one, or a 200 JSON one that is not a JSON object (a
+router closing mid-answer too), is dropped unsent and the request sent once more: vllm-ascend's proxy answers 200 at
+once and ends the body empty when its decode engine dies before the first token. A kept answer goes out byte for byte
+as the router sent it; a second empty one gets 502.
 The state file counts these second attempts ("retries").
 With --watch URL, routers that learn the prefill engines' ids once, at their start (vllm-router asks Mooncake
 bootstrap servers), are restarted the same way when the engine ids those URLs list change (a prefill engine
@@ -75,6 +82,9 @@ RESEND_MAX = 1024 * 1024  # bodies up to this size are kept until answered, to s
 RESEND_BUDGET = 64 * 1024 * 1024  # all bodies kept at one time; past it requests stream without a second chance
 RETRY_STATUSES = (500, 502, 503, 504)  # a router's answers that send a kept body once more (the answer unsent)
 FAILED_TEXT_MAX, FAILED_TEXT_WAIT = 300, 1.0  # bytes of such an answer's body read for the log line, and how long
+GENERATION_PATHS = (b"/v1/completions", b"/v1/chat/completions")  # OpenAI generation: a whole answer is held
+HOLD_MAX = 8 * 1024 * 1024  # bytes of a held answer (head and body as they came); past it the answer goes out
+HOLD_BUDGET = 256 * 1024 * 1024  # bytes of all answers held at one time; past it an answer goes out as it comes
 RETRY_SAVE_DELAY = 1.0  # the state file's retry count is written at most this late (not once a request)
 QUEUE_WAIT = 2.0  # seconds a connection over the cap waits for a slot before its 503
 MAX_QUEUED = 64  # connections waiting for a slot (or in the lingering close of their 503); more stay unaccepted
@@ -196,6 +206,7 @@ class Request:
         self.length = int(next(iter(lengths))) if lengths else 0
         self.keyed = False  # a valid client or admin key came with it (set by Front.command and Front.route)
         self.open_health = False  # the keyless GET /health (set by Front.route)
+        self.generation = False  # a POST to an OpenAI generation path (GENERATION_PATHS; set by Front.route)
         tokens = b",".join(self.fields.get(b"connection", [])).lower()
         self.closing = b"close" in tokens or (self.version == b"HTTP/1.0" and b"keep-alive" not in tokens)
         # Answered here (before the body is read), so the router must not see it.
@@ -424,6 +435,9 @@ class Session:
         body is sent once more when the first router failed before any byte of its answer went to the client (see
         NothingSent): to another copy when one is up (Front.connect), and never a third time."""
         failed = None  # (router, what it did) of the first attempt
+        # The 2xx answer of a non-streaming generation request is held until whole (both attempts: a second empty
+        # one gets 502 too); a body that is not JSON, or asks for a stream, is answered as it comes.
+        hold = body is not None and index is None and req.generation and not_streaming(body)
         for attempt in (1, 2):
             up = await self.upstream(index, failed and failed[0])
             if failed:
@@ -440,7 +454,7 @@ class Session:
                 # The 5xx of a router is kept back when it can be retried: on a client path (the keyless health
                 # check reports what the router says), with the body kept, on the first attempt.
                 retry_5xx = body is not None and attempt == 1 and index is None and not req.open_health
-                keep_up, keep_client = await self.relay_response(up, req.method, retry_5xx)
+                keep_up, keep_client = await self.relay_response(up, req.method, retry_5xx, hold)
             except NothingSent as exc:
                 # A router shutting down closes idle connections and drops the ones still in its accept queue
                 # without reading them, one whose engine died answers 5xx; nothing reached the client yet, so
@@ -487,9 +501,11 @@ class Session:
                 return False
         return True
 
-    async def relay_response(self, up, method, retry_5xx=False):
+    async def relay_response(self, up, method, retry_5xx=False, hold=False):
         """Copy one response (after any 1xx) to the client as it arrives; (keep upstream, keep client). retry_5xx: a
-        RETRY_STATUSES answer (before any 1xx went out) is not sent: NothingSent, with the start of its body."""
+        RETRY_STATUSES answer (before any 1xx went out) is not sent: NothingSent, with the start of its body. hold: a
+        2xx answer but 204 (none went out before it) is held until whole (see Relay): NothingSent when its body is
+        empty, or it is a 200 JSON one that is not a JSON object, or the router closed before its end."""
         while True:
             try:
                 head = await up.reader.readuntil(b"\r\n\r\n")
@@ -509,7 +525,7 @@ class Session:
             if 100 <= status < 200:
                 if status == 101:
                     raise HttpError(502, "Bad Gateway", "protocol upgrades are not proxied")
-                retry_5xx = False  # a byte went to the client
+                retry_5xx = hold = False  # a byte went to the client
                 await self.send(head)
                 continue
             closing = any(b"close" in v for v in fields.get(b"connection", [])) or parts[0] == b"HTTP/1.0"
@@ -520,47 +536,146 @@ class Session:
             if retry_5xx and status in RETRY_STATUSES:
                 text = "" if method == b"HEAD" else await failed_text(up.reader, chunked, length)
                 raise NothingSent(f"answered {status}" + (f" ({text})" if text else ""))
-            if method == b"HEAD" or status in (204, 304) or chunked or length:
-                await self.send(head)
-                if method == b"HEAD" or status in (204, 304):
-                    pass
-                elif chunked:
-                    await self.copy_chunked(up.reader)
-                else:
-                    await self.copy_exactly(up.reader, int(length[-1]))
-                return not closing, not closing
-            # No framing: the body ends when the router closes, so the client's connection ends with it.
-            await self.send(head)
-            while True:
-                chunk = await up.reader.read(COPY_CHUNK)
-                if not chunk:
-                    return False, False
-                await self.send(chunk)
+            hold = (hold and 200 <= status < 300 and status != 204 and method != b"HEAD"
+                    and not (length and not chunked and int(length[-1]) > HOLD_MAX))
+            out = Relay(self, hold)
+            try:
+                framed = await self.relay_body(up.reader, out, head, method, status, chunked, length)
+                if out.holding:
+                    why = failed_whole(status, fields, b"".join(out.body))
+                    if why:
+                        raise NothingSent(why)
+                    await out.release()
+            except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError) as exc:
+                if out.holding:  # nothing went out: the router failed before any byte reached the client
+                    raise NothingSent(f"answered {status}, then closed the connection before the answer's end "
+                                      f"({str(exc) or type(exc).__name__})") from exc
+                raise
+            finally:
+                out.drop()
+            return framed and not closing, framed and not closing
 
-    async def copy_exactly(self, reader, n):
+    async def relay_body(self, reader, out, head, method, status, chunked, length):
+        """The head and body of one answer through `out`; False when the body ended with the connection (no
+        framing: the client's connection ends with it)."""
+        await out.put(head)
+        if method == b"HEAD" or status in (204, 304):
+            return True
+        if chunked:
+            await self.copy_chunked(reader, out)
+        elif length:
+            await self.copy_exactly(reader, int(length[-1]), out)
+        else:
+            while True:
+                chunk = await out.read(reader.read, COPY_CHUNK)
+                if not chunk:
+                    return False
+                await out.put(chunk, chunk)
+        return True
+
+    async def copy_exactly(self, reader, n, out, data=None):
+        """n bytes of the answer through `out`, the first `data` of them (all when None) its body."""
+        data = n if data is None else data
         while n:
-            chunk = await reader.read(min(n, COPY_CHUNK))
+            chunk = await out.read(reader.read, min(n, COPY_CHUNK))
             if not chunk:
                 raise ConnectionError("the router closed mid-body")
             n -= len(chunk)
-            await self.send(chunk)
+            await out.put(chunk, chunk[:data])
+            data = max(0, data - len(chunk))
 
-    async def copy_chunked(self, reader):
+    async def copy_chunked(self, reader, out):
         while True:
-            line = await reader.readuntil(b"\r\n")
-            self.writer.write(line)
+            line = await out.read(reader.readuntil, b"\r\n")
+            await out.put(line)
             try:
                 size = int(line.split(b";")[0].strip()[:16], 16)
             except ValueError:
                 raise ConnectionError("bad chunk size from the router") from None
             if size == 0:
-                while True:  # trailers, then the empty line
-                    t = await reader.readuntil(b"\r\n")
-                    self.writer.write(t)
-                    if t == b"\r\n":
-                        await self.send(b"")
-                        return
-            await self.copy_exactly(reader, size + 2)
+                break
+            await self.copy_exactly(reader, size + 2, out, size)
+        while True:  # trailers, then the empty line
+            t = await out.read(reader.readuntil, b"\r\n")
+            await out.put(t)
+            if t == b"\r\n":
+                return
+
+
+class Relay:
+    """Where a router's answer goes: to the client as it arrives, or (held) kept back, head and body as they came,
+    until it is whole, so that a failed one is sent to no client (Session.relay_response). A held answer is released,
+    what came so far sent and the rest relayed as it arrives, once it passes HOLD_MAX bytes, or all held answers
+    HOLD_BUDGET, or --request-timeout after its head."""
+
+    def __init__(self, session, hold):
+        self.session, self.front, self.holding = session, session.front, hold
+        self.until = time.monotonic() + session.args.request_timeout
+        self.raw, self.body, self.size = [], [], 0  # held: the bytes as they came, the body's (no framing), bytes
+
+    async def read(self, call, *args):
+        """call(*args): a StreamReader read, which a timeout cancels without losing data; while held, one that has
+        not returned by the deadline releases the answer (and is made again)."""
+        if self.holding:
+            try:
+                return await asyncio.wait_for(call(*args), max(0.0, self.until - time.monotonic()))
+            except asyncio.TimeoutError:
+                await self.release()
+        return await call(*args)
+
+    async def put(self, raw, data=b""):
+        """raw: bytes of the answer as they came; data: what of them is its body (none of the chunked framing)."""
+        if not self.holding:
+            await self.session.send(raw)
+            return
+        self.raw.append(raw)
+        if data:
+            self.body.append(data)
+        self.size += len(raw)
+        self.front.held_bytes += len(raw)
+        if self.size > HOLD_MAX or self.front.held_bytes > HOLD_BUDGET:
+            await self.release()
+
+    async def release(self):
+        raw = b"".join(self.raw)
+        self.drop()
+        await self.session.send(raw)
+
+    def drop(self):
+        if self.holding:
+            self.holding = False
+            self.front.held_bytes -= self.size
+            self.raw, self.body, self.size = [], [], 0
+
+
+def not_streaming(body):
+    """True when a generation request's body is a JSON object that does not ask for a stream ("stream" absent, null
+    or false); False when it does, and when the body is no JSON object (unknown: the answer is relayed as it comes)."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("stream") in (None, False)
+
+
+def failed_whole(status, fields, body):
+    """Why a whole 2xx answer to a non-streaming generation request is its router's failure (its de-chunked body
+    empty, or a 200 JSON one not a JSON object: cut short), for NothingSent; None when it is not."""
+    if not body:
+        return f"answered {status} with an empty body"
+    ctype = (fields.get(b"content-type") or [b""])[-1].split(b";")[0].strip()
+    if status != 200 or not (ctype == b"application/json" or ctype.endswith(b"+json")):
+        return None
+    try:
+        if isinstance(json.loads(body), dict):
+            return None
+    except (ValueError, RecursionError):
+        pass
+    return f"answered 200 with a body that is not a JSON object ({one_line(body[:FAILED_TEXT_MAX])})"
+
+
+def one_line(data):
+    return " ".join(data.decode(errors="replace").split())
 
 
 async def failed_text(reader, chunked, length):
@@ -581,7 +696,7 @@ async def failed_text(reader, chunked, length):
     except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError,
             ValueError):
         return ""
-    return " ".join(data.decode(errors="replace").split())
+    return one_line(data)
 
 
 class Router:
@@ -644,6 +759,7 @@ class Front:
         self.freed = asyncio.Event()  # set (and replaced) whenever a slot or a place in the queue frees
         self.idle = {}  # session -> since when it waits for its next request (oldest first)
         self.kept = 0  # bytes of request bodies kept for a second attempt
+        self.held_bytes = 0  # bytes of answers held until whole (see Relay)
         self.retries = 0  # requests sent a second time (see Session.forward)
         self.save_due = False  # a save of the retry count is scheduled
         self.tasks = set()
@@ -881,6 +997,7 @@ class Front:
             if not self.client_key.matches(req.bearer()):
                 raise HttpError(401, "Unauthorized", "missing or wrong API key (Authorization: Bearer ...)")
             req.keyed = True
+        req.generation = req.method == b"POST" and plain in GENERATION_PATHS
         return None, req.target
 
     def keep_body(self, n):

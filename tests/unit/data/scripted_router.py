@@ -8,7 +8,11 @@ Actions: "ok" (200 JSON naming the copy's port), "close" (closes the connection 
 reset without a byte), "400", "502" (JSON error bodies), "500" (the text/plain "Internal Server Error" that
 vllm-ascend's proxy answers when its prefill engine is gone), "503-chunked" and "504-unframed" (bodies chunked, and
 ended by the close), "stream" (a whole SSE stream, chunked), "stream-cut" (the head and a first chunk, then the
-connection closes)."""
+connection closes); what vllm-ascend's proxy answers a non-streaming request when its decode engine dies: "empty" (a
+200 JSON head at once, then an empty chunked body 0.3 s later; "empty-late": 2 s later), "cut-json" (a JSON object
+cut short, in a whole chunked body); "empty-length" (200, Content-Length: 0); "big-N" (200, a JSON object of N bytes
+in chunks of odd sizes, the sha256 of the body as sent, framing and all, in X-Body-Sha256), "big-N-cut" (the same,
+closed before its last chunk)."""
 
 import argparse
 import fcntl
@@ -55,6 +59,20 @@ def reset(conn):
     conn.close()
 
 
+def big(size, cut=False):
+    """A 200 JSON answer of `size` body bytes, chunked in odd sizes (ended by the close when `cut`)."""
+    doc = json.dumps({"port": args.port, "text": ""}).encode()
+    body = doc[:-2] + (b"abcdefghijklmnopqrstuvwxyz" * (size // 26 + 1))[:size - len(doc)] + doc[-2:]
+    sizes, framed, at = (65536, 1, 300_001, 7777), [], 0
+    while at < len(body):
+        n = sizes[len(framed) % len(sizes)]
+        framed.append(chunk(body[at:at + n]))
+        at += n
+    raw = b"".join(framed) + (b"" if cut else b"0\r\n\r\n")
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
+            + f"x-body-sha256: {hashlib.sha256(raw).hexdigest()}\r\n\r\n".encode() + raw)
+
+
 def respond(conn, what):
     """Answer one request as the plan says; False when the connection is done."""
     error = json.dumps({"error": {"message": f"router {args.port}: {what}"}}).encode()
@@ -71,6 +89,21 @@ def respond(conn, what):
     elif what == "stream":
         conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
                      + b"".join(chunk(d) for d in sse) + b"0\r\n\r\n")
+        return True
+    elif what in ("empty", "empty-late", "cut-json"):  # uvicorn sends a StreamingResponse's head at once
+        conn.sendall(b"HTTP/1.1 200 OK\r\nserver: uvicorn\r\ncontent-type: application/json\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        time.sleep(2.0 if what == "empty-late" else 0.3)  # the proxy tries its decode engine, then gives up
+        conn.sendall((chunk(b'{"id":"cmpl-1","choices":[{"text":"Hel') if what == "cut-json" else b"") + b"0\r\n\r\n")
+        return True
+    elif what == "empty-length":
+        conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 0\r\n\r\n")
+        return True
+    elif what.startswith("big-"):
+        conn.sendall(big(int(what.split("-")[1]), what.endswith("-cut")))
+        if what.endswith("-cut"):
+            conn.close()
+            return False
         return True
     elif what == "503-chunked":
         conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n" + chunk(error)
