@@ -41,9 +41,9 @@ COMMAND = "rollout (sandbox lease test)"
 class Proc:
     """A subprocess in its own process group whose output lines are collected as they come."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None):
         self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True, env=os.environ.copy())
+                                  start_new_session=True, env={**os.environ, **(env or {})})
         self.out: queue.Queue = queue.Queue()
         self.stdout: list[str] = []
         self.stderr: list[str] = []

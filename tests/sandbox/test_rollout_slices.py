@@ -380,7 +380,8 @@ def test_a_new_api_key_is_installed_by_deploy_without_restarts(cluster, tmp_path
     before = {k: v["child_pid"] for k, v in _supervised(sb).items()}
     key_file.write_text("sk-rotated-9c0e\n")
     old_admin = _admin_key(sb)
-    (_state_dir(sb) / "secrets" / "proxy-admin-key").unlink()  # as on another control node: a new one is made
+    # as on another control node: no copy of the admin key here, so the cluster's is read back (never a new one)
+    (_state_dir(sb) / "secrets" / "proxy-admin-key").unlink()
     try:
         res = kimictl("deploy", "-i", inv, "--topology", str(topo) if topo.exists() else "a3-pd", "--yes",
                       "--output", "json")
@@ -393,9 +394,8 @@ def test_a_new_api_key_is_installed_by_deploy_without_restarts(cluster, tmp_path
         with pytest.raises(urllib.error.HTTPError) as old:
             _post(proxy, body, api_key=API_KEY)
         assert old.value.code == 401
-        new_admin = _admin_key(sb)
-        assert new_admin != old_admin
-        assert sb.ssh("atlas-01", f"cat {SD}/secrets/proxy-admin-key").stdout.strip() == new_admin
+        assert _admin_key(sb) == old_admin   # read back and kept as this control node's copy
+        assert sb.ssh("atlas-01", f"cat {SD}/secrets/proxy-admin-key").stdout.strip() == old_admin
         _, st = _status(sb)
         assert [(m["router"], m["members"]) for m in st["proxy"]["membership"]] == [(0, 12), (1, 12)], st["proxy"]
         assert {k: v["child_pid"] for k, v in _supervised(sb).items()} == before
