@@ -31,7 +31,7 @@ def rotate(
     from kimictl.keys_rotate import check_rotatable, rotate_admin_key
 
     inv = load_inventory(inventory)
-    rendered = current_deployment(inv.cluster.name).rendered
+    rendered = current_deployment(inv.cluster.name, inv, accept_new_keys=accept_new_host_keys).rendered
     check_rotatable(inv, rendered)
     assert rendered.plan.proxy is not None
     common.confirm_or_yes(f"Rotate the proxy admin key of {inv.cluster.name} (proxy host "
