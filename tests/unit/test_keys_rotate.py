@@ -132,7 +132,8 @@ def test_the_cli_holds_the_lease_and_prints_json(tmp_path: Path, monkeypatch) ->
     from kimictl.cli.main import app
 
     _, rendered = _setup(tmp_path)
-    monkeypatch.setattr(deployed, "current_deployment", lambda cluster, inv=None, accept_new_keys=False: type("D", (), {"rendered": rendered})())
+    monkeypatch.setattr(deployed, "current_deployment",
+                        lambda cluster, inv=None, accept_new_keys=False: type("D", (), {"rendered": rendered})())
     held: list[str] = []
 
     @contextlib.contextmanager
