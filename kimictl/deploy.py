@@ -161,6 +161,8 @@ class Deployer:
                          "the keys")
                 self.ops.install_release(self.rendered, [self.plan.proxy.host] if self.plan.proxy else [])
                 sick = [p for p in sick if not self.ops.ready(p).ok]
+            if not sick:
+                self._restore_routing()
             if sick:
                 p = sick[0]
                 raise HostError(f"no changes to apply, but {len(sick)} process(es) of this release do not answer: "
@@ -180,6 +182,7 @@ class Deployer:
             return DeployResult(self.plan.cluster, self.release, changes, str(self.run_dir), "no-changes")
         try:
             self._converge(changes)
+            self._restore_routing()
             self._engines_refuse_keyless()
             t0 = time.monotonic()
             smoke = self.smoke()
@@ -213,6 +216,50 @@ class Deployer:
                                 host=p.host, step="engine key",
                                 hint=f"see its env file <kimi_state_dir>/{ENGINE_KEY_ENV} and the engine's log; "
                                      "deploy again once it requires the key")
+
+    def _restore_routing(self, timeout: float = 120.0) -> None:
+        """Undo the routing a killed command left behind (a lost CI runner, a `kill -9` mid-rollout): a router copy
+        held behind the front, an endpoint drained from a copy. A deploy holds the cluster lease, so no other
+        command holds or drains anything now: every hold is released, and when a copy lacks an endpoint of this
+        release the copies restart one at a time with the rendered membership (the others keep serving)."""
+        from kimictl.routers import FrontControl, RouterError, membership_client
+
+        p, rp = self.plan.proxy, self.full_rendered.proxy
+        if not (p and rp and rp.routers and p.admin_key) or p.host not in self.rendered.releases:
+            return
+        base, key = f"http://{p.ip}:{p.port}", proxy_admin_key(self.full_inv, p.host)
+        want = {f"http://{x.ip}:{x.port}": x.id for x in desired_procs(self.full_rendered, self.full_inv)
+                if x.kind == "engine" and x.serves_http}
+
+        def lacking() -> dict[int, list[str]]:
+            out: dict[int, list[str]] = {}
+            for i in range(len(rp.routers)):
+                got = membership_client(p.router, f"{base}/kimictl/router/{i}", key, http=self.http).members()
+                if set(want) - set(got):
+                    out[i] = sorted(want[u] for u in set(want) - set(got))
+            return out
+
+        try:
+            front = FrontControl(base, api_key=key, http=self.http)
+            for i in range(len(rp.routers)):
+                front.release(i)
+            missing = lacking()
+            if not missing:
+                return
+            self.say("router copies lack endpoints of this release (a drain a killed command left: "
+                     + "; ".join(f"copy {i}: {', '.join(ids)}" for i, ids in missing.items())
+                     + "): restarting them one at a time with this release's membership")
+            self.ops.reload_proxy(p.host)
+            deadline = time.monotonic() + timeout
+            while (missing := lacking()) and time.monotonic() < deadline:
+                time.sleep(1.0)
+        except RouterError as exc:
+            raise HostError(exc.message, host=p.host, step="proxy", log_tail=self.ops.log_tail(p.host, "proxy")) \
+                from None
+        if missing:
+            raise HostError(f"router copies still lack endpoints {timeout:.0f}s after their restart: "
+                            + "; ".join(f"copy {i}: {', '.join(ids)}" for i, ids in missing.items()),
+                            host=p.host, step="proxy", log_tail=self.ops.log_tail(p.host, "proxy"))
 
     def _admin_refused(self) -> bool:
         """The deployed front refuses the admin key this deploy would install: a supplied one the cluster does not

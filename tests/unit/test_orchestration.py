@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ class FakeOps:
         self.records: list[tuple[dict[str, Any], list[str]]] = []   # record.yml runs: (extravars, hosts)
         self.unwritable: dict[str, str] = {}   # record hosts record.yml cannot write, with why
         self.down: set[str] = set()  # hosts that do not answer SSH
+        self.on_reload: Any = None   # what a restart of the proxy's router copies does to them (FakeHttp)
 
     def limit(self, hosts: list[str]) -> None:
         self.inv = self.inv.limited(hosts)
@@ -78,6 +80,8 @@ class FakeOps:
 
     def reload_proxy(self, host: str) -> None:
         self.calls.append(("reload_proxy", host))
+        if self.on_reload:
+            self.on_reload()
 
     def write_record(self, extravars: dict[str, Any], hosts: list[str]) -> dict[str, str]:
         self.records.append((extravars, list(hosts)))
@@ -111,6 +115,25 @@ class FakeHttp:
     def __init__(self, broken=lambda url: False):
         self.broken = broken
         self.tick = itertools.count(1)
+        # the proxy front's router copies (vllm-ascend's proxy): copy -> {"IP:PORT": role}; a copy not in here lists
+        # every endpoint of `self.endpoints` (set by _deploy), as a copy started with the rendered membership does
+        self.endpoints: dict[str, str] = {}
+        self.copies: dict[int, dict[str, str]] = {}
+        self.front_log: list[str] = []
+
+    def _router_copy(self, url: str, body: Any) -> tuple[int, str] | None:
+        """The front: POST /kimictl/front/router/N/{hold,release}; a copy: POST /kimictl/router/N/instances/add."""
+        m = re.search(r"/kimictl/front/router/(\d+)/(hold|release)", url)
+        if m:
+            self.front_log.append(f"{m.group(2)} {m.group(1)}")
+            return 200, "{}"
+        m = re.search(r"/kimictl/router/(\d+)/instances/add$", url)
+        if not m:
+            return None
+        copy = self.copies.setdefault(int(m.group(1)), dict(self.endpoints))
+        copy.update({x: body["type"] for x in body.get("instances", [])})
+        return 200, json.dumps({"current_prefill_instances": sorted(x for x, r in copy.items() if r == "prefill"),
+                                "current_decode_instances": sorted(x for x, r in copy.items() if r == "decode")})
 
     def engine_ready(self, ip: str, port: int, served: str, timeout: float = 3.0, api_key: str | None = None):
         return health.Ready(True, "ready")
@@ -124,6 +147,9 @@ class FakeHttp:
                      headers: dict | None = None, api_key: str | None = None) -> tuple[int, str]:
         if self.broken(url):
             return 500, "engine error"
+        routed = self._router_copy(url, body)
+        if routed is not None:
+            return routed
         if body and (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
             return 200, json.dumps({"kv_transfer_params": {"remote_engine_id": "e", "do_remote_prefill": True}})
         return 200, json.dumps({"choices": [{"text": "ok"}]})
@@ -266,6 +292,10 @@ def _deploy_setup(tmp_path: Path, **all_vars: Any):
 
 
 def _deploy(inv, new, ops, http) -> Deployer:
+    if isinstance(http, FakeHttp) and not http.endpoints:
+        http.endpoints = {f"{p.ip}:{p.port}": p.role for p in desired_procs(new, inv) if p.kind == "engine"
+                          and p.serves_http}
+        ops.on_reload = http.copies.clear   # the front restarts its copies with the rendered membership
     return Deployer(inv, new.plan, new, DeployOptions(skip_preflight="unit test", skip_weights=True), lambda m: None,
                     ops=ops, http=http)
 
@@ -588,8 +618,9 @@ def test_a_deploy_whose_record_reaches_no_record_host_fails_at_step_record(tmp_p
     inv, _old, new, ops = _deploy_setup(tmp_path)
     said: list[str] = []
     ops.unwritable = {"atlas-02": "UNREACHABLE: no route to host"}
-    res = Deployer(inv, new.plan, new, DeployOptions(skip_preflight="unit test", skip_weights=True), said.append,
-                   ops=ops, http=FakeHttp()).run()
+    deployer = _deploy(inv, new, ops, FakeHttp())
+    deployer.say = said.append
+    res = deployer.run()
     assert res.result == "deployed" and "05-record" not in res.seconds   # FakeOps times nothing
     assert [m for m in said if m.startswith("warning:")] == [
         f"warning: the release record of {res.release} was not written to record host atlas-02: UNREACHABLE: no route "
@@ -615,3 +646,34 @@ def test_a_rollout_records_on_the_record_hosts_and_a_failed_one_too(tmp_path: Pa
     with pytest.raises(HostError, match="rollout to release"):   # the rollout's failure, not the record's
         ro2.run()
     assert [(r, res) for r, res, _, _ in _published(ops2)] == [(ro2.previous, "rolled-back")]
+
+
+def test_a_deploy_undoes_the_routing_a_killed_command_left(tmp_path: Path) -> None:
+    """A rollout killed mid-drain (a cancelled CI job) leaves a router copy held and a slice drained from the
+    copies; the next deploy holds the lease, so it releases every hold and, a copy lacking endpoints, restarts the
+    copies with the rendered membership; it fails (step proxy) when they still lack them."""
+    inv, _, new, ops = _deploy_setup(tmp_path)
+    http = FakeHttp()
+    deployer = _deploy(inv, new, ops, http)
+    drained = sorted(x for x, r in http.endpoints.items() if r == "decode")[:2]
+    http.copies[0] = {x: r for x, r in http.endpoints.items() if x not in drained}
+    assert deployer.run().result == "deployed"
+    assert http.front_log == ["release 0", "release 1"]
+    assert ops.calls.count(("reload_proxy", "atlas-01")) == 1
+    assert http.copies[0] == http.endpoints and http.copies[1] == http.endpoints
+
+    # nothing left behind: released, nothing restarted
+    inv, _, new, ops = _deploy_setup(tmp_path)
+    http = FakeHttp()
+    _deploy(inv, new, ops, http).run()
+    assert http.front_log == ["release 0", "release 1"] and ("reload_proxy", "atlas-01") not in ops.calls
+
+    # copies that come back without the endpoints: the deploy fails at step proxy and rolls back
+    inv, _, new, ops = _deploy_setup(tmp_path)
+    http = FakeHttp()
+    deployer = _deploy(inv, new, ops, http)
+    ops.on_reload = None
+    http.copies[1] = {}
+    with pytest.raises(HostError, match="router copies still lack endpoints") as exc:
+        deployer._restore_routing(timeout=0.5)
+    assert (exc.value.host, exc.value.step) == ("atlas-01", "proxy")
