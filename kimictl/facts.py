@@ -402,6 +402,20 @@ def version_profiles() -> dict[str, VersionProfile]:
     return {p.version: p for p in profiles}
 
 
+def switch_spellings() -> list[tuple[str, SwitchSpelling]]:
+    """Every spelling of every switch in any version profile (a recipe or a raw key may use any of them)."""
+    return [(name, sp) for prof in version_profiles().values() for name, sp in prof.switches.items()]
+
+
+def spells_config_key(sp: SwitchSpelling, path: str) -> bool:
+    """Whether an additional-config key ("a", or "scheduler_config.a" for one nested there) is this spelling of a
+    switch; a key spelled at the top level or under scheduler_config names the same switch either way."""
+    def unnest(p: str) -> str:
+        return p.removeprefix("scheduler_config.")
+
+    return bool(sp.additional_config) and unnest(sp.additional_config or "") == unnest(path)
+
+
 def newest_version() -> str:
     """The default profile: the newest final release (release candidates are opt-in)."""
     return max((p.version for p in version_profiles().values() if not p.prerelease), key=version_key)
@@ -413,7 +427,10 @@ def version_profile(version: str | None) -> VersionProfile:
     profiles = version_profiles()
     if version is None:
         return profiles[newest_version()]
-    wanted = version.strip().lstrip("v")
+    if version != version.strip():   # it would reach image tags and pip pins with the spaces
+        raise InvalidInput(f"kimi_vllm_ascend_version: {version!r} has spaces around it; write the version alone "
+                           f"({version.strip()!r})")
+    wanted = version.lstrip("v")
     for prof in profiles.values():
         if wanted in prof.names():
             return prof

@@ -554,6 +554,7 @@ def load_inventory(path: Path | str) -> Inventory:
     """Read and validate an inventory; raise InventoryError listing every problem with file:line."""
     path = Path(path)
     doc = load_yaml(path, "inventory")
+    _refuse_vars_dirs(path)
     c = _Collector(path)
     if not isinstance(doc, LineMap) or not doc:
         raise InventoryError(f"{path}: an inventory is a YAML mapping of groups, starting with 'all:'")
@@ -599,6 +600,25 @@ def load_inventory(path: Path | str) -> Inventory:
         raise InventoryError(f"invalid inventory {path} ({len(c.errors)} problem(s))", details=c.errors)
     assert cluster is not None
     return Inventory(path=str(path), cluster=cluster, hosts=hosts)
+
+
+def _refuse_vars_dirs(path: Path) -> None:
+    """host_vars/ and group_vars/ beside the inventory: Ansible applies them to its hosts and groups, kimictl plans
+    from this file alone, so the two would deploy different things. Refused, naming the directory."""
+    found = []
+    for name in ("host_vars", "group_vars"):
+        d = path.parent / name
+        try:
+            used = d.is_dir() and any(not e.name.startswith(".") for e in d.iterdir())
+        except OSError:   # there, but unreadable here: Ansible may still read it
+            used = True
+        if used:
+            found.append(f"{d}: Ansible applies the variables in {name}/ beside the inventory; kimictl reads only "
+                         f"{path.name}, so its plan would differ from what Ansible runs")
+    if found:
+        raise InventoryError(f"invalid inventory {path}", details=found,
+                             hint="move those variables into the inventory file (under the host or group) and "
+                                  "remove the directory, or keep the inventory in a directory of its own")
 
 
 def _within(inner: str, outer: str) -> bool:
@@ -658,26 +678,98 @@ def _host_checks(c: _Collector, cluster: ClusterSettings, h: Host, seen_addr: di
 
 _SSH_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._@-]{0,63}")   # what useradd and ssh accept as a login name
 _STRICT_VALUES = ("yes", "no", "ask", "accept-new", "off")          # ssh_config(5) StrictHostKeyChecking
+SSH_VALUE_FLAGS = ("-o", "-i", "-F", "-p")   # the ssh options kimictl reads (kimictl/ssh.py), each with a value
+
+
+def ssh_options(args: str) -> list[tuple[str, str | None]]:
+    """The options of ansible_ssh_common_args / ansible_ssh_extra_args kimictl reads, in order, as ssh reads them:
+    (flag, value) for `-p 22` and `-p22`, `-o Port=22` and `-oPort=22` (likewise -i, -F); value None when the flag
+    ends the line. One reading for validation and for kimictl's connections; ValueError when quotes do not balance."""
+    words = shlex.split(args)
+    out: list[tuple[str, str | None]] = []
+    i = 0
+    while i < len(words):
+        w = words[i]
+        if w in SSH_VALUE_FLAGS:
+            out.append((w, words[i + 1] if i + 1 < len(words) else None))
+            i += 1
+        elif w[:2] in SSH_VALUE_FLAGS:
+            out.append((w[:2], w[2:]))
+        i += 1
+    return out
+
+
+def ssh_config_option(value: str) -> tuple[str, str]:
+    """(keyword, argument) of an `-o` value as ssh_config(5) separates them: `Key=Value`, `Key = Value` or `Key Value`;
+    the argument is '' when there is none."""
+    key, *rest = re.split(r"\s*=\s*|\s+", value.strip(), maxsplit=1)
+    return key, rest[0] if rest else ""
+
+
+def _user_problem(user: Any, h: Host) -> str | None:
+    if not (isinstance(user, str) and _SSH_USER.fullmatch(user)):
+        return (f"{reported(user)} is not a login name (letters, digits, '_', '.', '@', '-'; not starting with '-', "
+                "which ssh would read as an option)")
+    at = user.rpartition("@")[2] if "@" in user else None
+    if at is not None and (at in (h.name, h.ansible_host, h.kimi_host_ip) or _is_ip(at)):
+        return (f"{reported(user)} names a host after '@': ssh and Ansible take the whole value as the login name "
+                "(the host comes from ansible_host); give the user only")
+    return None
+
+
+def _is_ip(v: str) -> bool:
+    try:
+        ipaddress.ip_address(v)
+    except ValueError:
+        return False
+    return True
+
+
+def _ssh_option_problem(flag: str, value: str | None, h: Host) -> str | None:
+    """Why ssh (and kimictl's connections, which read the same options) cannot use one option, or None."""
+    if not value:
+        return f"{flag} has no value (ssh refuses to start)"
+    if flag == "-p":
+        return None if _tcp_port(value) else f"-p {value}: not a TCP port (1-65535)"
+    if flag != "-o":
+        return None
+    key, arg = ssh_config_option(value)
+    name = key.lower()
+    if not arg:
+        return f"-o {value}: the option has no value (write -o {key}=VALUE; ssh refuses to start)"
+    if name == "port" and not _tcp_port(arg):
+        return f"-o {value}: {arg!r} is not a TCP port (1-65535)"
+    if name == "stricthostkeychecking" and arg.lower() not in _STRICT_VALUES:
+        return f"StrictHostKeyChecking={arg} is not one of {', '.join(_STRICT_VALUES)} (ssh refuses to connect)"
+    if name == "user":
+        why = _user_problem(arg, h)
+        return f"-o {value}: User {why}" if why else None
+    return None
 
 
 def _ssh_var_checks(c: _Collector, line: int, h: Host) -> None:
     """The connection variables ssh, Ansible and kimictl's probes each read: one reading for all three."""
     user = h.ansible_vars.get("ansible_user")
-    if user is not None and not (isinstance(user, str) and _SSH_USER.fullmatch(user)):
-        c.err(line, f"host {h.name}: ansible_user: {reported(user)} is not a login name (letters, digits, '_', "
-                    "'.', '@', '-'; not starting with '-', which ssh would read as an option)")
+    why = None if user is None else _user_problem(user, h)
+    if why:
+        c.err(line, f"host {h.name}: ansible_user: {why}")
     for key in ("ansible_ssh_common_args", "ansible_ssh_extra_args"):
+        args = h.ansible_vars.get(key)
+        if args is None:
+            continue
+        if not isinstance(args, str):   # Ansible pastes it into ssh's command line as text
+            c.err(line, f"host {h.name}: {key}: {reported(args)} is not a string; write the options as on ssh's "
+                        "command line, e.g. '-o Port=2222 -i ~/.ssh/id_kimi'")
+            continue
         try:
-            words = shlex.split(str(h.ansible_vars.get(key, "")))
+            options = ssh_options(args)
         except ValueError as exc:   # ssh, Ansible and kimictl's probes would each read it differently
             c.err(line, f"host {h.name}: {key}: {exc} (quotes must balance)")
             continue
-        for w, nxt in zip(words, [*words[1:], ""], strict=False):
-            opt = nxt if w == "-o" else w[2:] if w.startswith("-o") else ""
-            k, _, v = opt.partition("=")
-            if k.strip().lower() == "stricthostkeychecking" and v.strip().lower() not in _STRICT_VALUES:
-                c.err(line, f"host {h.name}: {key}: StrictHostKeyChecking={v} is not one of "
-                            f"{', '.join(_STRICT_VALUES)} (ssh refuses to connect)")
+        for flag, value in options:
+            why = _ssh_option_problem(flag, value, h)
+            if why:
+                c.err(line, f"host {h.name}: {key}: {why}")
 
 
 def _loopback_checks(c: _Collector, hosts: list[Host]) -> None:

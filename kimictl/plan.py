@@ -23,7 +23,9 @@ from kimictl.facts import (
     find_model,
     model_catalogue,
     model_facts,
+    spells_config_key,
     switch_rules,
+    switch_spellings,
     version_profile,
 )
 from kimictl.inventory import Host, Inventory
@@ -443,6 +445,7 @@ def json_copy(doc: dict[str, Any]) -> dict[str, Any]:
 def _check_additional_config(role: str, extra: dict[str, Any], ver: VersionProfile, warnings: list[str]) -> None:
     """Raw --additional-config keys: removed ones fail; unknown ones fail where vllm-ascend forbids them (0.28+)
     and warn where it silently ignores them."""
+    _check_raw_switch_keys(role, extra)
     known = ver.additional_config_keys
     nested = {"scheduler_config": ver.scheduler_config_keys}
     for key, value in extra.items():
@@ -459,6 +462,22 @@ def _check_additional_config(role: str, extra: dict[str, Any], ver: VersionProfi
                                 f"{hint}; this version refuses unknown keys at start-up")
             warnings.append(f"{role}: additional-config key {name} is not read by vllm-ascend {ver.version}{hint}; "
                             "it has no effect")
+
+
+def _check_raw_switch_keys(role: str, extra: dict[str, Any]) -> None:
+    """A raw additional-config key that is a switch's spelling (in any version) turns that switch on just the same:
+    the switch's role rule holds for it too."""
+    rules = switch_rules()
+    nested = extra.get("scheduler_config")
+    keys = [*extra.items(), *((f"scheduler_config.{k}", v) for k, v in nested.items())] \
+        if isinstance(nested, dict) else list(extra.items())
+    for path, value in keys:
+        for name, sp in switch_spellings():
+            if spells_config_key(sp, path) and value == sp.value and role not in rules[name].roles:
+                raise PlanError(f"role {role}: additional-config {path}: {_json_scalar(value)} turns on switch {name}, "
+                                f"which is for {', '.join(rules[name].roles)} only", details=[rules[name].why],
+                                hint=f"remove {path} from the additional-config {role} gets (roles.{role}.serve, or "
+                                     "the topology's serve)")
 
 
 def _skip_ascend_only(role: str, switches: dict[str, bool], extra: dict[str, Any], prof: EngineProfile,
@@ -493,16 +512,35 @@ class _Ports:
         self.uses.append(PortUse(host=host, first=first, last=last, what=what))
 
 
-def _check_engine_commands(inv: Inventory) -> None:
+# Flags kimictl gives every vllm-router copy (render.proxy_argv; the proxy front adds --host, --port and the
+# metrics flag): kimi_router_command passing one would contradict them.
+ROUTER_FLAGS = {"host", "port", "policy", "vllm-pd-disaggregation", "prefill", "decode"}
+
+
+def _check_engine_commands(inv: Inventory, prof: EngineProfile) -> None:
     """kimi_engine_command's words go before the serve flags kimictl computes: a reserved flag there (or --config,
-    which reads more flags from a file) would override or hide them, as it would under a topology's serve."""
+    which reads more flags from a file) would override or hide them, as it would under a topology's serve.
+    kimi_router_command likewise must not pass a flag kimictl gives the router."""
+    vllm_router = router_kind("vllm-router")
+    router_flags = ROUTER_FLAGS | {w[2:] for w in [vllm_router.metrics_flag or "", *vllm_router.args]
+                                   if w.startswith("--")}
+    router_flags |= {w[2:] for kv in prof.kv_connectors.values() for r in kv.routers.values() for w in r.args
+                     if w.startswith("--")}
     for h in inv.hosts:
-        for word in (h.kimi_engine_command or "").split():
-            flag = word[2:].split("=", 1)[0] if word.startswith("--") else ""
-            if flag in RESERVED_FLAGS or flag == "config":
-                raise PlanError(f"host {h.name}: kimi_engine_command passes --{flag}, which {reserved_why(flag)}",
-                                hint="give kimi_engine_command the engine's command only; serve flags go in the "
-                                     "topology's serve")
+        for key, command, reserved in (("kimi_engine_command", h.kimi_engine_command, RESERVED_FLAGS | {"config"}),
+                                       ("kimi_router_command", h.kimi_router_command, router_flags)):
+            for word in (command or "").split():
+                flag = word[2:].split("=", 1)[0] if word.startswith("--") else ""
+                if flag not in reserved:
+                    continue
+                if key == "kimi_engine_command":
+                    raise PlanError(f"host {h.name}: kimi_engine_command passes --{flag}, which {reserved_why(flag)}",
+                                    hint="give kimi_engine_command the engine's command only; serve flags go in the "
+                                         "topology's serve")
+                raise PlanError(f"host {h.name}: kimi_router_command passes --{flag}, which kimictl gives every "
+                                "router copy from the plan (its loopback port, policy and the engines' endpoints)",
+                                hint="give kimi_router_command the router's command only (default vllm-router); the "
+                                     "policy is the topology's proxy.policy")
 
 
 def make_plan(inv: Inventory, topo: Topology) -> Plan:
@@ -514,7 +552,7 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
                         f"(the inventory says {inv.cluster.kimi_runtime})", hint=f"set kimi_runtime: {prof.runtime} "
                         "under all.vars, or use kimi_engine_profile: ascend")
     facts = prof.facts(inv.cluster.kimi_model_id)
-    _check_engine_commands(inv)
+    _check_engine_commands(inv, prof)
     hw = _hardware_of(inv, topo)
     warnings: list[str] = []
     decisions: list[SwitchDecision] = []

@@ -18,18 +18,18 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from kimictl.errors import InvalidInput
+from kimictl.errors import InvalidInput, reported
 from kimictl.facts import (
     Hardware,
     ModelFacts,
-    SwitchSpelling,
     VersionProfile,
     deviations,
     find_model,
     hardware_catalogue,
+    spells_config_key,
     switch_rules,
+    switch_spellings,
     version_profile,
-    version_profiles,
 )
 from kimictl.topology import SERVE_TYPES, Topology
 from kimictl.yamlsrc import load_yaml
@@ -138,14 +138,9 @@ def load_recipe(path: Path) -> dict[str, Any]:
     return doc
 
 
-def _switch_spellings() -> list[tuple[str, SwitchSpelling]]:
-    """Every spelling of every switch in any version profile (a recipe may use any of them)."""
-    return [(name, sp) for prof in version_profiles().values() for name, sp in prof.switches.items()]
-
-
 def _env_switch(key: str, value: str) -> tuple[str, bool] | None:
     """(switch, on) for an env spelling of a switch (VLLM_ASCEND_ENABLE_MLAPO=1), else None."""
-    for name, sp in _switch_spellings():
+    for name, sp in switch_spellings():
         if sp.env == key:
             if value == str(sp.value):
                 return name, True
@@ -154,14 +149,10 @@ def _env_switch(key: str, value: str) -> tuple[str, bool] | None:
     return None
 
 
-def _unnest(path: str) -> str:
-    return path.removeprefix("scheduler_config.")
-
-
 def _config_switch(path: str, value: Any) -> tuple[str, bool] | None:
     """(switch, on) for an additional-config spelling, top-level or under scheduler_config, else None."""
-    for name, sp in _switch_spellings():
-        if sp.additional_config and _unnest(sp.additional_config) == _unnest(path):
+    for name, sp in switch_spellings():
+        if spells_config_key(sp, path):
             if value == sp.value and type(value) is type(sp.value):
                 return name, True
             if value == sp.off_value and type(value) is type(sp.off_value):
@@ -184,14 +175,37 @@ def _args(items: list[Any], where: str) -> list[tuple[str, str | None]]:
     return out
 
 
-def _typed(flag: str, value: str) -> Any:
+def _json(value: str | None, where: str) -> dict[str, Any]:
+    """The JSON object a server_cmd_template flag holds (--kv-transfer-config, --speculative-config, ...)."""
+    try:
+        doc = json.loads(value or "{}")
+    except json.JSONDecodeError as exc:
+        raise RecipeError(f"{where}: not JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(doc, dict):
+        raise RecipeError(f"{where}: {reported(doc)} is not a JSON object")
+    return doc
+
+
+def _whole(value: Any, where: str) -> int:
+    """A count, size, port or index of the recipe: an integer (YAML may quote it)."""
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, str) and value.isascii()
+                                                                    and value.strip().isdigit())):
+        raise RecipeError(f"{where}: {reported(value)} is not a whole number")
+    return int(value)
+
+
+def _typed(flag: str, value: str, where: str) -> Any:
     if flag in SERVE_TYPES and SERVE_TYPES[flag][1].startswith("a mapping"):
-        return json.loads(value)
+        return _json(value, where)
     if flag in SERVE_TYPES:
         try:
             return int(value)
         except ValueError:
+            pass
+        try:
             return float(value)
+        except ValueError:
+            raise RecipeError(f"{where}: {value!r} is not a number") from None
     return value
 
 
@@ -219,7 +233,7 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
     hw, nodes = _layout(doc, path)
     n = len(nodes)
     _note_top_keys(doc, out)
-    instances = _instances(nodes, path)
+    instances = _instances(nodes, hw, path)
     ports = _ports(nodes, path)
     read_keys = set(ver.additional_config_keys or [])
     for node in nodes:
@@ -246,6 +260,8 @@ def import_recipe(path: Path, version: str | None = None, name: str | None = Non
 def _layout(doc: dict[str, Any], path: Path) -> tuple[Hardware, list[_Node]]:
     """The recipe's hosts: the Atlas hardware its npu_per_node means, and its nodes, each with its role."""
     routing = doc["routing"] or {}
+    if not isinstance(routing, dict):
+        raise RecipeError(f"{path}: routing is {reported(routing)}, not a mapping (type, groups)")
     if routing.get("type") != "disaggregated_prefill":
         raise RecipeError(f"{path}: routing.type is {routing.get('type')!r}; only disaggregated_prefill (P/D) "
                           "recipes map onto a kimictl topology")
@@ -253,13 +269,20 @@ def _layout(doc: dict[str, Any], path: Path) -> tuple[Hardware, list[_Node]]:
     if hw is None:
         raise RecipeError(f"{path}: npu_per_node {doc['npu_per_node']} matches no Atlas host kimictl knows "
                           f"({', '.join(f'{h.name}: {h.npus}' for h in hardware_catalogue().values())})")
-    n = int(doc["num_nodes"])
-    configs, templates = list(doc["config"]), list(doc["templates"])
+    n = _whole(doc["num_nodes"], f"{path}: num_nodes")
+    configs, templates = doc["config"], doc["templates"]
+    for key, entries in (("config", configs), ("templates", templates)):
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise RecipeError(f"{path}: {key} must be a list of mappings, one per node")
     if len(configs) != n or len(templates) != n:
         raise RecipeError(f"{path}: {len(configs)} config and {len(templates)} templates entries for "
                           f"num_nodes {n}")
-    role_of = {int(i): ROLES[g] for g, idx in (routing.get("groups") or {}).items() if g in ROLES for i in idx}
-    for g in routing.get("groups") or {}:
+    groups = routing.get("groups") or {}
+    if not isinstance(groups, dict) or not all(isinstance(idx, list) for idx in groups.values()):
+        raise RecipeError(f"{path}: routing.groups must map prefiller and decoder to lists of node indices")
+    role_of = {_whole(i, f"{path}: routing.groups.{g}"): ROLES[g] for g, idx in groups.items() if g in ROLES
+               for i in idx}
+    for g in groups:
         if g not in ROLES:
             raise RecipeError(f"{path}: routing.groups.{g}: kimictl knows the groups prefiller and decoder")
     if sorted(role_of) != list(range(n)) or set(role_of.values()) != {"prefill", "decode"}:
@@ -399,14 +422,18 @@ def _common(roles: dict[str, dict[str, Any]], key: str) -> dict[str, Any]:
     return common
 
 
-def _instances(nodes: list[_Node], path: Path) -> dict[str, dict[str, int]]:
+def _cfg(nd: _Node, key: str, default: int, path: Path) -> int:
+    return _whole(nd.cfg.get(key, default), f"{path}: config[{nd.index}].{key}")
+
+
+def _instances(nodes: list[_Node], hw: Hardware, path: Path) -> dict[str, dict[str, int]]:
     """Per role: hosts per instance, DP and TP of one instance, and how many instances (from dp_address)."""
     shapes: dict[str, dict[str, int]] = {}
     for role in ("prefill", "decode"):
         groups: dict[int, list[_Node]] = {}
         for nd in (x for x in nodes if x.role == role):
             for key in ("cp_size", "sp_size", "pp_size"):
-                if int(nd.cfg.get(key, 1)) != 1:
+                if _cfg(nd, key, 1, path) != 1:
                     raise RecipeError(f"{path}: config[{nd.index}].{key} is {nd.cfg[key]}; kimictl plans DP x TP only")
             addr = str(nd.cfg.get("dp_address", ""))
             m = _NODE_IP.match(addr)
@@ -416,16 +443,19 @@ def _instances(nodes: list[_Node], path: Path) -> dict[str, dict[str, int]]:
             groups.setdefault(master, []).append(nd)
         shape = None
         for master, members in groups.items():
-            members.sort(key=lambda x: int(x.cfg.get("dp_rank_start", 0)))
+            members.sort(key=lambda x: _cfg(x, "dp_rank_start", 0, path))
             if members[0].index != master:
                 raise RecipeError(f"{path}: the DP master of nodes {[x.index for x in members]} is node {master}, "
                                   "which does not hold rank 0; kimictl makes an instance's first host its master")
-            c0 = members[0].cfg
-            dp, tp, local = int(c0.get("dp_size", 1)), int(c0.get("tp_size", 1)), int(c0.get("dp_size_local", 1))
+            m0 = members[0]
+            dp, tp = _cfg(m0, "dp_size", 1, path), _cfg(m0, "tp_size", 1, path)
+            local = _cfg(m0, "dp_size_local", 1, path)
+            if local * tp > hw.npus:
+                raise RecipeError(f"{path}: config[{m0.index}] runs dp_size_local {local} x tp_size {tp} = "
+                                  f"{local * tp} NPUs on one node; npu_per_node is {hw.npus}")
             for k, nd in enumerate(members):
-                c = nd.cfg
-                if (int(c.get("dp_size", 1)), int(c.get("tp_size", 1)), int(c.get("dp_size_local", 1)),
-                        int(c.get("dp_rank_start", 0))) != (dp, tp, local, k * local):
+                if (_cfg(nd, "dp_size", 1, path), _cfg(nd, "tp_size", 1, path), _cfg(nd, "dp_size_local", 1, path),
+                        _cfg(nd, "dp_rank_start", 0, path)) != (dp, tp, local, k * local):
                     raise RecipeError(f"{path}: config[{nd.index}] does not continue instance {master}'s ranks "
                                       f"(kimictl splits DP{dp} evenly: {local} ranks per host, in host order)")
             if local * len(members) != dp:
@@ -446,8 +476,8 @@ def _instances(nodes: list[_Node], path: Path) -> dict[str, dict[str, int]]:
 
 
 def _ports(nodes: list[_Node], path: Path) -> dict[str, int]:
-    http = {int(nd.cfg.get("port_start", 7100)) for nd in nodes}
-    rpc = {int(nd.cfg.get("dp_rpc_port", 12321)) for nd in nodes}
+    http = {_cfg(nd, "port_start", 7100, path) for nd in nodes}
+    rpc = {_cfg(nd, "dp_rpc_port", 12321, path) for nd in nodes}
     if len(http) != 1 or len(rpc) != 1:
         raise RecipeError(f"{path}: port_start {sorted(http)} and dp_rpc_port {sorted(rpc)} differ between nodes; "
                           "kimictl uses one of each for the whole deployment")
@@ -518,23 +548,26 @@ def _map_args(node: _Node, ver: VersionProfile, read_keys: set[str], out: _Colle
                                        "proxy front)")
             continue
         if flag == "--kv-transfer-config":
-            _map_kv(node, json.loads(value or "{}"), ver, out)
+            _map_kv(node, _json(value, where), ver, out)
             continue
         if flag == "--speculative-config":
-            spec = json.loads(value or "{}")
+            spec = _json(value, where)
             extra = sorted(set(spec) - {"method", "model", "num_speculative_tokens"})
             if extra:
                 out.miss(where, ", ".join(extra), "kimictl renders method, model and num_speculative_tokens only")
             if spec.get("method") not in ("eagle3", "dflash"):
                 out.miss(where, f"method {spec.get('method')}", "kimictl knows eagle3 and dflash")
                 continue
+            missing = [k for k in ("model", "num_speculative_tokens") if k not in spec]
+            if missing:
+                raise RecipeError(f"{where}: no {' and no '.join(missing)}")
             node.speculative = {k: spec[k] for k in ("method", "model", "num_speculative_tokens")}
             continue
         if flag == "--additional-config":
-            _map_additional(node, json.loads(value or "{}"), read_keys, ver, rules, out)
+            _map_additional(node, _json(value, where), read_keys, ver, rules, out)
             continue
         key = flag[2:]
-        node.serve[key] = True if value is None else _typed(key, value)
+        node.serve[key] = True if value is None else _typed(key, value, where)
 
 
 def _map_additional(node: _Node, extra: dict[str, Any], read_keys: set[str], ver: VersionProfile, rules,

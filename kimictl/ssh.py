@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from kimictl import known_hosts as hostkeys
 from kimictl.errors import InvalidInput
-from kimictl.inventory import Host, Inventory
+from kimictl.inventory import Host, Inventory, ssh_config_option, ssh_options
 
 T = TypeVar("T")
 
@@ -69,19 +69,11 @@ class Target:
 
 
 def _common_args(args: str) -> dict[str, Any]:
-    """The few OpenSSH options kimictl honours from ansible_ssh_common_args / ansible_ssh_extra_args."""
+    """The few OpenSSH options kimictl honours from ansible_ssh_common_args / ansible_ssh_extra_args (read as
+    `kimictl validate` checks them: inventory.ssh_options)."""
     out: dict[str, Any] = {"known_hosts": [], "keys": []}
-    words = shlex.split(args or "")
-    i = 0
-    while i < len(words):
-        w = words[i]
-        val = None
-        if w in ("-o", "-i", "-F", "-p") and i + 1 < len(words):
-            val, i = words[i + 1], i + 1
-        elif w.startswith("-o") and len(w) > 2:
-            w, val = "-o", w[2:]
-        i += 1
-        if val is None:
+    for w, val in ssh_options(args or ""):
+        if not val:
             continue
         if w == "-i":
             out["keys"].append(val)
@@ -89,9 +81,11 @@ def _common_args(args: str) -> dict[str, Any]:
             out["ssh_config"] = val
         elif w == "-p":
             out["port"] = int(val)
-        elif w == "-o" and "=" in val:
-            k, v = val.split("=", 1)
-            k = k.strip().lower()
+        else:
+            k, v = ssh_config_option(val)
+            k = k.lower()
+            if not v:
+                continue
             if k == "userknownhostsfile":
                 out["known_hosts"] += v.split()
             elif k == "globalknownhostsfile":

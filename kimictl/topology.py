@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -38,6 +39,7 @@ RESERVED_FLAGS = {
 EXIT_FLAGS = {"help": "its usage", "version": "its version"}
 _FLAG = re.compile(r"[a-z0-9][a-z0-9-]*")
 _NUMBER = re.compile(r"-(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 def _positive_int(v: Any) -> bool:
@@ -156,6 +158,8 @@ class Speculative(_Strict):
 class Slo(_Strict):
     """Serving targets the monitoring alerts against (unset fields: kimictl/data/observe.yml's slo)."""
 
+    model_config = ConfigDict(allow_inf_nan=False)   # .inf is no target: the alert could never fire
+
     tpot_ms: float | None = Field(None, gt=0, description="time per output token target, ms, at the quantile")
     ttft_ms: float | None = Field(None, gt=0, description="time to first token target, ms, at the quantile")
     quantile: float | None = Field(None, gt=0, lt=1, description="the quantile the targets hold for, e.g. 0.9")
@@ -163,6 +167,8 @@ class Slo(_Strict):
 
 class Heal(_Strict):
     """How `kimictl heal` judges engines and how often it may act (unset fields: kimictl/data/heal.yml)."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     hang_deadline_s: float | None = Field(None, gt=0, description="seconds an engine may run requests with no "
                                                                    "token counter moving before it counts as hung")
@@ -274,6 +280,9 @@ def _check_serve(v: dict[str, ServeValue]) -> dict[str, ServeValue]:
         if "pipeline-parallel-size".startswith(k) and k.startswith("pipeline") and v[k] not in (1, "1"):
             raise ValueError(f"serve flag '{k}': {v[k]!r}: kimictl plans DP x TP instances (NPUs, ports, HBM, KV "
                              "layout); pipeline parallelism is not planned, remove it")
+        if isinstance(v[k], str) and _CONTROL.search(v[k]):
+            raise ValueError(f"serve flag '{k}' is {v[k]!r}: a line break or other control character in a value "
+                             "would split or corrupt the engine's command line")
         if isinstance(v[k], str) and v[k].startswith("-") and not _NUMBER.fullmatch(v[k]):
             raise ValueError(f"serve flag '{k}' is {v[k]!r}: a value starting with '-' would be read as another "
                              "flag")
@@ -290,10 +299,18 @@ def preset_names() -> list[str]:
 def load_topology(name_or_path: str) -> Topology:
     """A preset by name, or a user topology file by path."""
     candidate = Path(name_or_path)
+    if re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", name_or_path):
+        raise TopologyError(f"--topology {name_or_path}: a URL; kimictl reads a preset name or a local topology file",
+                            hint="download the file and give its path")
     if name_or_path in preset_names():
         path = PRESET_DIR / f"{name_or_path}.yml"
     elif candidate.suffix in (".yml", ".yaml") or "/" in name_or_path:
         path = candidate
+        if not os.path.lexists(path):   # said as given: Path() would print ./a3-pd as a3-pd
+            preset = candidate.name in preset_names()
+            raise TopologyError(f"--topology {name_or_path}: topology not found (no such file)",
+                                hint=f"the preset is --topology {candidate.name} (a name, no path)" if preset else
+                                "give a preset name (`kimictl topologies`) or the path of a topology YAML")
     else:
         raise TopologyError(
             f"unknown topology '{name_or_path}'{did_you_mean(name_or_path, preset_names())}"

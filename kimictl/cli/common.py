@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -41,6 +42,14 @@ TokenFileOpt = Annotated[Path | None, typer.Option(
     "--token-file", help="Hub token file (mode 0600). Default: MODELSCOPE_API_TOKEN / HF_TOKEN from the environment.")]
 
 
+def finite_positive(value: float | None) -> float | None:
+    """A callback for options that are durations or targets (seconds, ms): nan, inf, 0 or a negative number is
+    refused while the flags are read, before anything else runs (exit 2 naming the option)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{value:g} is not a positive number")
+    return value
+
+
 def _reason(value: str | None) -> str | None:
     if value is not None and not value.strip():
         raise typer.BadParameter("give the reason in words (it is printed and recorded)")
@@ -74,8 +83,11 @@ def writing_out(out: Path | None):
     try:
         yield
     except OSError as exc:
-        target = Path(os.fsdecode(exc.filename)).absolute() if exc.filename is not None else None
-        if out is None or target is None or not (target == out.absolute() or out.absolute() in target.parents):
+        if out is None:
+            raise
+        # write(2) failing (ENOSPC, EIO, EFBIG: /dev/full) names no file: in this block it is a file under --out
+        target = Path(os.fsdecode(exc.filename)).absolute() if exc.filename is not None else out.absolute()
+        if not (target == out.absolute() or out.absolute() in target.parents):
             raise   # not a file under --out: the operation failing (handle_errors)
         where = f" ({exc.filename})" if target != out.absolute() else ""
         raise InvalidInput(f"--out {out}: cannot write there{where}: {exc.strerror or exc}",

@@ -80,11 +80,19 @@ def deploy(
         typer.echo(f"run directory: {result.run_dir}")
 
 
+def _release_prefix(value: str | None) -> str | None:
+    """--to: an empty prefix would match every release (and pick the newest): refused while the flags are read."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("give a release id or a prefix of one (deploy and `kimictl status` print them)")
+    return value
+
+
 @common.handle_errors
 def rollback(
     inventory: InventoryOpt,
-    to: Annotated[str | None, typer.Option("--to", help="Release id (prefix) to return to; default the "
-                                                         "previous deployed release.")] = None,
+    to: Annotated[str | None, typer.Option("--to", callback=_release_prefix, help="Release id (prefix) to return "
+                                                                                  "to; default the previous deployed "
+                                                                                  "release.")] = None,
     yes: YesOpt = False,
     skip_preflight: SkipPreflightOpt = None,
     ready_timeout: ReadyTimeoutOpt = None,

@@ -16,6 +16,7 @@ from kimictl.cli.common import (
     WaitOpt,
     cluster_lease,
     emit_json,
+    finite_positive,
     handle_errors,
     out_dir,
     reporters,
@@ -77,7 +78,8 @@ def up_cmd(
                         "Prometheus (write the files with `observe render --out DIR`).")] = False,
     prefix: PrefixOpt = None,
     ready_timeout: Annotated[float, typer.Option(
-        "--scrape-timeout", help="Seconds to wait for Prometheus to scrape every target once.")] = 120.0,
+        "--scrape-timeout", callback=finite_positive,
+        help="Seconds to wait for Prometheus to scrape every target once.")] = 120.0,
     wait: WaitOpt = 0.0,
     accept_new_host_keys: HostKeysOpt = False,
     output: OutputOpt = Output.text,

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kimictl.cli.common import InventoryOpt, Output, OutputOpt, emit_json, handle_errors
+from kimictl.cli.common import InventoryOpt, Output, OutputOpt, emit_json, finite_positive, handle_errors
 from kimictl.errors import EXIT_DEGRADED, EXIT_FAILED, EXIT_OK, HostError
 
 EXIT_BY_STATE = {"healthy": EXIT_OK, "degraded": EXIT_DEGRADED, "down": EXIT_FAILED}
@@ -89,8 +89,10 @@ def bench(
     input_tokens: Annotated[int, typer.Option("--input-tokens", min=1)] = 512,
     output_tokens: Annotated[int, typer.Option("--output-tokens", min=2)] = 64,
     timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="Bound on the whole run, seconds.")] = 300.0,
-    slo_tpot_ms: Annotated[float, typer.Option("--slo-tpot-ms", help="TPOT SLO (p90).")] = 50.0,
-    slo_ttft_ms: Annotated[float | None, typer.Option("--slo-ttft-ms", help="Optional TTFT SLO (p90).")] = None,
+    slo_tpot_ms: Annotated[float, typer.Option("--slo-tpot-ms", callback=finite_positive,
+                                               help="TPOT SLO (p90).")] = 50.0,
+    slo_ttft_ms: Annotated[float | None, typer.Option("--slo-ttft-ms", callback=finite_positive,
+                                                      help="Optional TTFT SLO (p90).")] = None,
     gate: Annotated[bool, typer.Option("--gate", help="Exit 1 when the SLO is missed or a request fails.")] = False,
     output: OutputOpt = Output.text,
 ) -> None:

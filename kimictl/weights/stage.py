@@ -689,6 +689,13 @@ class Stager:
 
 # --- entry points ------------------------------------------------------------------------------------------
 
+def _holds_a_file(d: Path) -> bool:
+    try:
+        return any(p.is_file() for p in d.rglob("*"))
+    except OSError as exc:
+        raise InvalidInput(f"--from {d}: cannot read it: {exc.strerror or exc}") from None
+
+
 def validate_opts(inv: Inventory, opts: PullOptions) -> None:
     """The pull's flags, checked before the lease and any host (exit 2 naming the flag)."""
     if opts.mode not in MODES:
@@ -699,6 +706,9 @@ def validate_opts(inv: Inventory, opts: PullOptions) -> None:
         raise InvalidInput("--mode control needs --from DIR: the checkpoint on this machine to push from")
     if opts.source_dir is not None and not opts.source_dir.is_dir():
         raise InvalidInput(f"--from {opts.source_dir}: not a directory")
+    if opts.source_dir is not None and not _holds_a_file(opts.source_dir):
+        raise InvalidInput(f"--from {opts.source_dir}: holds no files, so it is no copy of the checkpoint",
+                           hint="give the directory holding the checkpoint's config.json and *.safetensors")
     if inv.cluster.kimi_model_source == "local" and opts.mode == "sharded" and opts.source_dir is None:
         raise InvalidInput("kimi_model_source is local: there is no hub to pull from",
                            hint="use --mode control --from DIR, or --mode shared to verify a shared path")
