@@ -19,7 +19,7 @@ from kimictl import deploy as deploy_mod
 from kimictl import health, state
 from kimictl import hostops as hostops_mod
 from kimictl.ansible import PlaybookResult, RunSpec
-from kimictl.hostops import HostObservation, HostOps
+from kimictl.hostops import HostObservation, HostOps, desired_procs
 from kimictl.pipeline import prepare
 from kimictl.render import render
 from kimictl.router_kinds import router_kind
@@ -145,6 +145,8 @@ def deploy_json(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     p = prepare(tmp_path / "inventory.yml", "a3-pd")   # as `kimictl deploy` does
     rendered = render(p.plan, p.inventory, p.topology)
     http = LoadingHttp(hosts)
+    http.endpoints = {f"{x.ip}:{x.port}": x.role for x in desired_procs(rendered, p.inventory)
+                      if x.kind == "engine" and x.serves_http}   # the router copies list every engine
 
     def deploy() -> dict[str, Any]:
         ops = SandboxOps(p.inventory, p.plan.served_model_name, state.new_run_dir("bench", "run"), say=lambda m: None,
