@@ -277,11 +277,16 @@ def _cache_snapshots(cluster: str, answers: dict[str, HostRecord]) -> set[str]:
     return done
 
 
-def _local_run_dir(cluster: str, rec: state.ReleaseRecord) -> state.ReleaseRecord:
+def _local_run_dir(cluster: str, rec: state.ReleaseRecord, local: list[state.ReleaseRecord]) -> state.ReleaseRecord:
     """A record read back, naming this control node's copy of its release's snapshot as its run directory (the
-    writer's run directory is on another machine; a host's path is never used here)."""
+    writer's run directory is on another machine; a host's path is never used here): the cached copy, else the
+    run directory of this node's own record of the same release (the hosts did not send it: `_have`)."""
     cache = snapshot_cache(cluster, rec.release)
-    return rec.model_copy(update={"run_dir": str(cache) if (cache / "rendered.json").is_file() else None})
+    if (cache / "rendered.json").is_file():
+        return rec.model_copy(update={"run_dir": str(cache)})
+    own = next((r.run_dir for r in reversed(local) if r.release == rec.release and r.run_dir
+                and (Path(r.run_dir) / "rendered.json").is_file()), None)
+    return rec.model_copy(update={"run_dir": own})
 
 
 def merge(cluster: str, local: list[state.ReleaseRecord], local_current: state.ReleaseRecord | None,
@@ -296,7 +301,7 @@ def merge(cluster: str, local: list[state.ReleaseRecord], local_current: state.R
         k = _key(rec)
         if k not in seen:
             seen.add(k)
-            out.append(rec if mine else _local_run_dir(cluster, rec))
+            out.append(rec if mine else _local_run_dir(cluster, rec, local))
     out.sort(key=lambda r: r.at)
     by_key = {_key(r): r for r in out}
     cands = [c for c in [local_current, *currents] if c is not None]

@@ -83,7 +83,7 @@ def heal(
     output: OutputOpt = Output.text,
 ) -> None:
     """Detect dead, hung and mis-paired engines; drain, restart, pair-smoke and re-add their slices."""
-    from kimictl.errors import EXIT_FAILED, HostError
+    from kimictl.errors import EXIT_FAILED, KimictlError
     from kimictl.heal import heal_defaults
 
     given: HealGiven = {"dry_run": dry_run, "hang_deadline": hang_deadline, "max_actions": max_actions,
@@ -94,7 +94,7 @@ def heal(
     while True:
         try:
             res = heal_round(Path(inventory), given, say, on_event)
-        except HostError as exc:
+        except KimictlError as exc:   # a host, or a record another control node is rewriting: the next round may do
             if once or dry_run:
                 raise
             typer.echo(f"error: {exc.render()} (heal watches on)", err=True)

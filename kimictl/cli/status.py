@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kimictl.cli.common import InventoryOpt, Output, OutputOpt, emit_json, finite_positive, handle_errors
-from kimictl.errors import EXIT_DEGRADED, EXIT_FAILED, EXIT_OK, HostError
+from kimictl.errors import EXIT_DEGRADED, EXIT_FAILED, EXIT_OK, KimictlError
 
 EXIT_BY_STATE = {"healthy": EXIT_OK, "degraded": EXIT_DEGRADED, "down": EXIT_FAILED}
 
@@ -39,7 +39,7 @@ def status(
                 report.record_drift = record.problems()
             if heal and report.state != "healthy":
                 report.heal = _heal_round(inventory)
-        except HostError as exc:  # a watch outlives what a round cannot reach; one look exits with it
+        except KimictlError as exc:  # a watch outlives what one round cannot do (a host, the record); one look exits
             if not watch:
                 raise
             typer.echo(f"error: {exc.render()} (watching on)", err=True)

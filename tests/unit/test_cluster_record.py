@@ -405,3 +405,18 @@ def test_plan_detailed_exitcode_judges_against_the_clusters_record(monkeypatch, 
     topo.write_text(Path(load_topology("a3-pd").source).read_text().replace("max-num-seqs: 32", "max-num-seqs: 16"))
     changed = CliRunner().invoke(app, ["plan", "-i", inv.path, "--topology", str(topo), "--detailed-exitcode"])
     assert changed.exit_code == 3, changed.output
+
+
+def test_a_release_this_node_deployed_itself_is_not_sent_again_and_its_run_dir_serves(monkeypatch, cluster,
+                                                                                       tmp_path: Path) -> None:
+    """Control node A deployed release R (its run directory holds R's render); B deployed R again later. A's sync
+    asks the hosts not to send R's snapshot (A has it), and the record read back names A's run directory."""
+    inv, old, _new = cluster
+    mine = _rec(old, "2025-01-01T00:00:00+00:00").model_copy(update={"run_dir": str(_run_dir(tmp_path, old))})
+    state.record_release(CLUSTER, mine)
+    theirs = _rec(old, "2025-01-03T00:00:00+00:00").model_copy(update={"by": "ci-runner"})
+    sent = _hosts(monkeypatch, {h: _answer([mine, theirs], theirs, {}) for h in ("atlas-01", "atlas-02", "atlas-03")})
+    cluster_record.sync(inv, say=lambda _m: None)
+    assert all(c.endswith(" " + mine.release) for c in sent)   # A holds its snapshot: not asked for
+    cur = current_deployment(CLUSTER)
+    assert cur.record.at == theirs.at and cur.record.run_dir == mine.run_dir and cur.rendered == old

@@ -225,13 +225,14 @@ def test_an_unreachable_host_is_exit_3_once_and_a_watch_goes_on(cluster, monkeyp
     from typer.testing import CliRunner
 
     from kimictl.cli.main import app
-    from kimictl.errors import HostError
+    from kimictl.errors import HostError, StateError
 
     monkeypatch.setattr(status, "_probe", lambda inv, timeout: _degraded())
     once = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml")])
     assert once.exit_code == 3 and "atlas-03: unreachable: atlas-03: connection refused" in once.stdout
     assert "Traceback" not in once.output
-    rounds = iter([HostError("cannot read the current state of 1 host(s)", host="atlas-03", step="observe")])
+    rounds = iter([HostError("cannot read the current state of 1 host(s)", host="atlas-03", step="observe"),
+                   StateError("the current release of c, 0123abcd has no render snapshot (rendered.json)")])
 
     def probe(inv, timeout):
         err = next(rounds, None)
@@ -240,11 +241,13 @@ def test_an_unreachable_host_is_exit_3_once_and_a_watch_goes_on(cluster, monkeyp
         return _degraded()
 
     monkeypatch.setattr(status, "_probe", probe)
-    naps = _naps(monkeypatch, 3)
+    naps = _naps(monkeypatch, 4)
     watch = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml"), "--watch", "5"])
-    assert watch.exit_code == 130 and naps == [5.0] * 3, watch.output  # only Ctrl-C ended it
+    assert watch.exit_code == 130 and naps == [5.0] * 4, watch.output  # only Ctrl-C ended it
     assert "error: cannot read the current state of 1 host(s) (host atlas-03, step observe) (watching on)" in \
         watch.stderr
+    # a record another control node is rewriting does not end it either
+    assert "has no render snapshot (rendered.json) (watching on)" in watch.stderr
     assert watch.stdout.count("atlas-03: unreachable") == 2 and "Traceback" not in watch.output
     rounds = iter([HostError("cannot read the current state of 1 host(s)", host="atlas-03", step="observe")])
     one = CliRunner().invoke(app, ["status", "-i", str(tmp_path / "inv.yml")])
