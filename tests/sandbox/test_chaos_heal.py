@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import kimictl
@@ -26,18 +27,42 @@ pytestmark = pytest.mark.sandbox
 __all__ = ["cluster"]  # the deployment this module shares with test_rollout_slices (module-scoped fixture)
 
 
-def _healthy(inv: str, timeout: float, settle: float = 8) -> dict:
-    """Wait `settle` seconds (the fault takes effect), then until status is healthy again."""
+def _why(st: dict) -> str:
+    """What keeps a status document from healthy, in a few lines."""
+    sick = [(e["id"], e["state"], e.get("detail")) for e in st.get("engines", []) if e.get("state") != "ready"]
+    proxy = st.get("proxy") or {}
+    return (f"state {st.get('state')}; engines not ready: {sick}; proxy {proxy.get('state')}, membership "
+            f"{[(m.get('router'), m.get('missing'), m.get('error')) for m in proxy.get('membership') or []]}; "
+            f"pairs {[(p.get('state'), p.get('detail')) for p in st.get('pairs', [])]}; drift {st.get('drift')}")
+
+
+def _open_actions(events: Path) -> list[str]:
+    """Heal actions started and not ended (the watch is acting on them now)."""
+    evs = [json.loads(x) for x in events.read_text().splitlines() if x.strip()] if events.exists() else []
+    started = {e["id"]: e["slice"] for e in evs if e.get("event") == "action" and e.get("result") == "started"}
+    ended = {e["id"] for e in evs if e.get("event") == "action" and e.get("result") != "started"}
+    return [s for i, s in started.items() if i not in ended]
+
+
+def _healthy(inv: str, timeout: float, settle: float = 8, watch: Proc | None = None,
+             events: Path | None = None) -> dict:
+    """Wait `settle` seconds (the fault takes effect), then until status is healthy and the heal watch acts on
+    nothing, twice in a row more than one watch interval apart (a round that was detecting has acted by then)."""
     time.sleep(settle)
     deadline = time.monotonic() + timeout
     st: dict = {}
+    calm = 0
     while time.monotonic() < deadline:
         proc = kimictl("status", "-i", inv, "--output", "json", timeout=300)
         st = json.loads(proc.stdout) if proc.stdout.strip() else {}
-        if proc.returncode == 0 and st.get("state") == "healthy":
+        ok = proc.returncode == 0 and st.get("state") == "healthy" and not (events and _open_actions(events))
+        calm = calm + 1 if ok else 0
+        if calm == 2:
             return st
-        time.sleep(3)
-    raise AssertionError(f"not healthy within {timeout}s: {json.dumps(st)[:3000]}")
+        time.sleep(6)
+    seen = "".join(watch.stderr)[-4000:] + "\n" + "".join(watch.stdout)[-3000:] if watch else ""
+    rc = watch.p.poll() if watch else None
+    raise AssertionError(f"not healthy within {timeout}s: {_why(st)}\nthe heal watch (rc {rc}) printed:\n{seen}")
 
 
 def _kill9(sb, role: str, host: str) -> int:
@@ -65,18 +90,19 @@ def test_the_heal_watch_outlives_a_chaos_run_with_no_client_error(cluster) -> No
     try:
         t = time.monotonic()
         _kill9(sb, "decode", decode[0])
-        _healthy(inv, 300)
+        _healthy(inv, 300, watch=watch, events=events)
         steps.append(("kill -9 decode", time.monotonic() - t))
 
         t = time.monotonic()
         sb.fault(f"engine-hang-now:{decode[1]}:decode")
-        _healthy(inv, 300, settle=30)   # hung: flat token counters for the hang deadline (20 s) while running
+        # hung: token counters flat for the hang deadline (20 s) while requests run
+        _healthy(inv, 300, settle=30, watch=watch, events=events)
         sb.fault(f"clear:{decode[1]}")
         steps.append(("hang decode", time.monotonic() - t))
 
         t = time.monotonic()
         _kill9(sb, "prefill", prefill[-1])
-        _healthy(inv, 300)
+        _healthy(inv, 300, watch=watch, events=events)
         steps.append(("kill -9 prefill", time.monotonic() - t))
 
         t = time.monotonic()
@@ -86,14 +112,14 @@ def test_the_heal_watch_outlives_a_chaos_run_with_no_client_error(cluster) -> No
         assert watch.p.poll() is None, "".join(watch.stderr)[-3000:]
         sb.fault(f"clear:{decode[0]}")   # back as after a reboot: sshd only, no engine runs
         watch.wait_for(f"{decode[0]} answers again", timeout=180)
-        _healthy(inv, 600)
+        _healthy(inv, 600, watch=watch, events=events)
         steps.append(("host down and back", time.monotonic() - t))
 
         t = time.monotonic()
         sb.fault(f"kv-pressure:{decode[1]}")
         time.sleep(20)
         sb.fault(f"clear:{decode[1]}")
-        _healthy(inv, 300)
+        _healthy(inv, 300, watch=watch, events=events)
         steps.append(("kv-pressure", time.monotonic() - t))
         time.sleep(5)
         assert watch.p.poll() is None, "".join(watch.stderr)[-3000:]
