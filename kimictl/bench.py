@@ -8,9 +8,13 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kimictl import health
+from kimictl.errors import InvalidInput
+
+if TYPE_CHECKING:
+    from kimictl.render import Rendered
 
 
 @dataclass
@@ -111,6 +115,30 @@ def _one(host: str, port: int, model: str, prompt: str, spec: BenchSpec, deadlin
         return Sample(False, error=f"{type(exc).__name__}: {exc}")
     finally:
         conn.close()
+
+
+def check_fits(spec: BenchSpec, rendered: Rendered | None) -> None:
+    """Exit 2 before any endpoint is loaded when every request would be longer than the max-model-len the cluster
+    was deployed with (`rendered`: its render, when this control node knows it; a role without the flag is not
+    judged): the prompt has at least --input-tokens tokens (one word each) and asks for --output-tokens more."""
+    if rendered is None:
+        return
+    limits = {role: n for role, rc in rendered.plan.role_config.items()
+              if (n := _whole(rc.serve.get("max-model-len"))) is not None}
+    if not limits:
+        return
+    role = min(limits, key=limits.__getitem__)
+    if spec.input_tokens + spec.output_tokens > limits[role]:
+        raise InvalidInput(f"--input-tokens {spec.input_tokens} with --output-tokens {spec.output_tokens}: every "
+                           f"request would be longer than the max-model-len {limits[role]} the {role} engines of "
+                           f"{rendered.plan.cluster} are deployed with, and they refuse it",
+                           hint=f"keep --input-tokens + --output-tokens within {limits[role]}")
+
+
+def _whole(value: Any) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return int(value) if isinstance(value, str) and value.isascii() and value.isdigit() else None
 
 
 def run_bench(host: str, port: int, model: str, spec: BenchSpec, api_key: str | None = None) -> BenchResult:

@@ -84,6 +84,14 @@ def supplied_key(inv: Inventory, spec: ClusterKey) -> str | None:
     return value
 
 
+def check_supplied_keys(inv: Inventory) -> None:
+    """Every key the operator supplies for the cluster (the inventory's files, else the environment variables)
+    checked once, before a command that talks to the cluster contacts any host: exit 2 naming the file or the
+    variable. The engines' key only where engines are keyed (all.vars.kimi_api_key_file)."""
+    for spec in (ADMIN_KEY, ENGINE_KEY) if inv.cluster.kimi_api_key_file else (ADMIN_KEY,):
+        supplied_key(inv, spec)
+
+
 def keep_copy(cluster: str, spec: ClusterKey, key: str, *, replace: bool) -> Path:
     """Write the control node's copy (0600, atomically); without `replace` a copy another kimictl wrote meanwhile
     stays."""

@@ -152,6 +152,8 @@ def _known_version(v: str) -> str:
 
 
 def _command(v: str) -> str:
+    if v.startswith("-"):
+        raise ValueError(f"{v!r} starts with '-': an option, not the command to run (a path or a program name)")
     if not _COMMAND.fullmatch(v):
         raise ValueError(f"{v!r} must be a command path with optional plain arguments")
     return v
@@ -322,15 +324,16 @@ class Inventory(BaseModel):
                 return h
         raise KeyError(name)
 
-    def limited(self, names: list[str] | None) -> Inventory:
-        """The inventory restricted to `names` (the --limit option)."""
+    def limited(self, names: list[str] | None, flag: str = "--limit") -> Inventory:
+        """The inventory restricted to `names` (the --limit option, or `flag` naming another)."""
         if not names:
             return self
         known = {h.name for h in self.hosts}
         unknown = [n for n in names if n not in known]
         if unknown:
             raise InventoryError(
-                f"--limit names hosts not in {self.path}: {', '.join(unknown)}"
+                f"{flag} names hosts not in {self.path}: "
+                + ", ".join(n if n.strip() == n and n else repr(n) for n in unknown)
                 + "".join(did_you_mean(n, known) for n in unknown[:1])
             )
         return self.model_copy(update={"hosts": [h for h in self.hosts if h.name in names]})
@@ -390,17 +393,24 @@ class _Collector:
         self._group_vars(name, g, self._section(name, group, "vars", "a mapping"))
         hosts = self._section(name, group, "hosts", "a mapping of host names")
         for host, hvars in hosts.items():
-            if host in hosts.typed_keys:   # `~:` or `yes:` names no host Ansible would call by that text
-                self.err(hosts.line_of(host), f"group '{name}': host name {host!r} is not text"
-                                              + yaml_type_hint(hosts.typed_keys[host]))
-                continue
-            self._group_host(name, host, hvars, hosts.line_of(host))
+            if not self.typed_name(hosts, host, f"group '{name}': host name"):
+                self._group_host(name, host, hvars, hosts.line_of(host))
         children = self._section(name, group, "children", "a mapping of groups")
         for child, cgroup in children.items():
+            if self.typed_name(children, child, f"group '{name}': children: group name"):
+                continue
             if child == "all":   # Ansible refuses it too: every group is already under all
                 self.err(children.line_of(child), f"group '{name}': 'all' cannot be a child group (it holds them all)")
                 continue
             self.walk(child, cgroup, children.line_of(child), name)
+
+    def typed_name(self, section: LineMap, key: str, what: str) -> bool:
+        """True (and reported) when YAML read the host or group name `key` as another type (`~:`, `yes:`, `1:`):
+        it names no host or group Ansible would call by that text."""
+        if key not in section.typed_keys:
+            return False
+        self.err(section.line_of(key), f"{what} {key!r} is not text" + yaml_type_hint(section.typed_keys[key]))
+        return True
 
     def _section(self, name: str, group: LineMap, key: str, what: str) -> LineMap:
         """One of a group's hosts/vars/children mappings (empty when absent, or reported and empty when not a
@@ -559,7 +569,8 @@ def load_inventory(path: Path | str) -> Inventory:
     if not isinstance(doc, LineMap) or not doc:
         raise InventoryError(f"{path}: an inventory is a YAML mapping of groups, starting with 'all:'")
     for name, group in doc.items():
-        c.walk(name, group, doc.line_of(name), None)
+        if not c.typed_name(doc, name, "group name"):
+            c.walk(name, group, doc.line_of(name), None)
     c.check_groups()
     if not c.host_order:
         c.err(1, "no hosts: list them under all.hosts (or a child group's hosts)")
@@ -774,7 +785,8 @@ def _ssh_var_checks(c: _Collector, line: int, h: Host) -> None:
 
 def _loopback_checks(c: _Collector, hosts: list[Host]) -> None:
     """Loopback addresses reach only the host itself: never a device IP, and a business IP only in a one-host
-    cluster (other hosts, the proxy and the KV connector use it to reach this host)."""
+    cluster (other hosts, the proxy and the KV connector use it to reach this host). A loopback ansible_host (an
+    SSH address: a tunnel, a closed port in tests) becomes the business IP only in a plan (plan.py)."""
     for h in hosts:
         line = c.host_line[h.name]
         if h.kimi_host_ip and ipaddress.ip_address(h.kimi_host_ip).is_loopback and len(hosts) > 1:

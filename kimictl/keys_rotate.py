@@ -50,10 +50,18 @@ def check_rotatable(inv: Inventory, rendered: Rendered) -> None:
         raise InvalidInput(f"cluster {rendered.plan.cluster} runs no proxy front with an admin key (topology "
                            f"{rendered.plan.topology}): there is no admin key to rotate",
                            hint="deploy a P/D topology; its front takes kimictl's admin key")
+    check_not_supplied(inv)
+
+
+def check_not_supplied(inv: Inventory) -> None:
+    """Exit 2 (before the record is read from the hosts) when the operator supplies the admin key: kimictl does
+    not keep it, so it cannot rotate it."""
     src = supplier(inv, ADMIN_KEY)
     if src:
-        raise InvalidInput(f"the admin key is supplied by {src}: kimictl cannot rotate a key it does not keep",
-                           hint=f"put a new key in {src}, then `kimictl deploy` installs it (the front re-reads it)")
+        where = f"{inv.path}: " if src.startswith("all.vars.") else ""
+        raise InvalidInput(f"{where}the admin key is supplied by {src}: kimictl cannot rotate a key it does not "
+                           "keep", hint=f"put a new key in {src}, then `kimictl deploy` installs it (the front "
+                                        "re-reads it)")
 
 
 def rotate_admin_key(inv: Inventory, rendered: Rendered, say: Callable[[str], None], *, ops: HostOps | None = None,

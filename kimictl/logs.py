@@ -19,6 +19,7 @@ from kimictl import remote, state
 from kimictl.errors import InvalidInput, did_you_mean, guide
 from kimictl.facts import log_lines
 from kimictl.inventory import Inventory
+from kimictl.secret_file import read_text, regular_file
 from kimictl.ssh import Sessions, SSHError
 
 ROLES = ("prefill", "decode", "colocated", "proxy")
@@ -26,6 +27,7 @@ MASK = "[REDACTED]"
 SECRET_ENV_VARS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MODELSCOPE_API_TOKEN", "MODELSCOPE_TOKEN",
                    "OPENAI_API_KEY", "VLLM_API_KEY", "KIMICTL_API_KEY")
 MIN_LITERAL = 4  # shorter "secrets" would blank out ordinary text; they are reported, not used
+MAX_SECRETS_FILE = 4 << 20   # --secrets-file: secret values one per line, not a log
 DEFAULT_MAX_FILE_BYTES = 32 * 2**20
 CONTROL_DIR_NAME = "_control-node"  # '_' cannot start an inventory host name, so it never collides
 # A host's folder in the bundle, <cluster>/<inventory host name>/: kimictl's fixed files and folders (what
@@ -131,11 +133,12 @@ class Redactor:
         env = os.environ if environ is None else environ
         values = [env.get(k, "") for k in SECRET_ENV_VARS] + list(known)
         if secrets_file is not None:
-            try:
-                text = Path(secrets_file).read_text()
-            except OSError as exc:
-                raise InvalidInput(f"cannot read --secrets-file {secrets_file}: {exc.strerror or exc}") from None
-            values += [line.strip() for line in text.splitlines()]
+            with regular_file(Path(secrets_file), "--secrets-file") as (fd, st):
+                if st.st_size > MAX_SECRETS_FILE:
+                    raise InvalidInput(f"--secrets-file {secrets_file} is {st.st_size} bytes: more than secret "
+                                       f"values one per line (at most {MAX_SECRETS_FILE})")
+                values += [line.strip() for line in read_text(fd, secrets_file, "--secrets-file",
+                                                              MAX_SECRETS_FILE).splitlines()]
         return cls.with_literals(values)
 
     @classmethod

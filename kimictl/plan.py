@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from typing import Any, Literal
 
@@ -424,6 +425,7 @@ def _role_config(topo: Topology, role: str, hw: Hardware, ver: VersionProfile, e
     serve = {k: v for k, v in {**serve, **prof.serve}.items() if v is not False}
     extra = json_copy(serve.pop("additional-config", None) or {})
     if prof.ascend:
+        _check_raw_switch_keys(role, extra, {**topo.env, **spec.env})
         _check_additional_config(role, extra, ver, warnings)
         _resolve_switches(topo, role, hw, ep, spec.tp, ver, env, extra, serve, decisions, warnings)
     else:
@@ -445,7 +447,6 @@ def json_copy(doc: dict[str, Any]) -> dict[str, Any]:
 def _check_additional_config(role: str, extra: dict[str, Any], ver: VersionProfile, warnings: list[str]) -> None:
     """Raw --additional-config keys: removed ones fail; unknown ones fail where vllm-ascend forbids them (0.28+)
     and warn where it silently ignores them."""
-    _check_raw_switch_keys(role, extra)
     known = ver.additional_config_keys
     nested = {"scheduler_config": ver.scheduler_config_keys}
     for key, value in extra.items():
@@ -464,20 +465,26 @@ def _check_additional_config(role: str, extra: dict[str, Any], ver: VersionProfi
                             "it has no effect")
 
 
-def _check_raw_switch_keys(role: str, extra: dict[str, Any]) -> None:
-    """A raw additional-config key that is a switch's spelling (in any version) turns that switch on just the same:
-    the switch's role rule holds for it too."""
+def _check_raw_switch_keys(role: str, extra: dict[str, Any], env: dict[str, str]) -> None:
+    """A raw additional-config key or env variable (the topology's and the role's) that is a switch's spelling (in
+    any version) turns that switch on just the same: the switch's role rule holds for it too."""
     rules = switch_rules()
     nested = extra.get("scheduler_config")
     keys = [*extra.items(), *((f"scheduler_config.{k}", v) for k, v in nested.items())] \
         if isinstance(nested, dict) else list(extra.items())
-    for path, value in keys:
-        for name, sp in switch_spellings():
-            if spells_config_key(sp, path) and value == sp.value and role not in rules[name].roles:
-                raise PlanError(f"role {role}: additional-config {path}: {_json_scalar(value)} turns on switch {name}, "
-                                f"which is for {', '.join(rules[name].roles)} only", details=[rules[name].why],
-                                hint=f"remove {path} from the additional-config {role} gets (roles.{role}.serve, or "
-                                     "the topology's serve)")
+    for name, sp in switch_spellings():
+        if role in rules[name].roles:
+            continue
+        raw = [(f"additional-config {path}: {_json_scalar(value)}", f"remove {path} from the additional-config "
+                f"{role} gets (roles.{role}.serve, or the topology's serve)")
+               for path, value in keys if spells_config_key(sp, path) and value == sp.value]
+        if sp.env and sp.env in env and env[sp.env] == str(sp.value):
+            raw.append((f"env {sp.env}={env[sp.env]}", f"remove {sp.env} from roles.{role}.env (or the topology's "
+                                                       "env)"))
+        if raw:
+            what, hint = raw[0]
+            raise PlanError(f"role {role}: {what} turns on switch {name}, which is for "
+                            f"{', '.join(rules[name].roles)} only", details=[rules[name].why], hint=hint)
 
 
 def _skip_ascend_only(role: str, switches: dict[str, bool], extra: dict[str, Any], prof: EngineProfile,
@@ -569,6 +576,7 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
     ports = _Ports()
     instances, engines, host_roles = _place(topo, hw, groups, fits, conn, ports, warnings)
     proxy = _proxy_plan(inv, topo, prof, ver, role_cfg, decisions, groups, engines, ports, conn)
+    _check_loopback_business_ips(inv, {e.host for e in engines} | ({proxy.host} if proxy else set()))
     return Plan(
         cluster=inv.cluster.name, topology=topo.name, topology_source=topo.source,
         vllm_ascend_version=ver.version, image=ver.image(hw, inv.cluster.kimi_image_repo), hardware=hw.name,
@@ -579,6 +587,25 @@ def make_plan(inv: Inventory, topo: Topology) -> Plan:
         ports=ports.uses, warnings=warnings, engine_api_key=inv.cluster.kimi_api_key_file is not None,
         engine_bind=topo.engine_bind,
     )
+
+
+def _check_loopback_business_ips(inv: Inventory, used: set[str]) -> None:
+    """A host the plan uses whose business IP is its loopback ansible_host (no kimi_host_ip) is reached by no other
+    host: refused when another host the plan uses is not on loopback (hosts all on loopback share one machine: a
+    test bed). A loopback kimi_host_ip is the inventory's own error."""
+    def loopback(ip: str) -> bool:
+        try:
+            return ipaddress.ip_address(ip).is_loopback
+        except ValueError:   # a DNS name (kimi_host_ip gives its address)
+            return False
+
+    hosts = [h for h in inv.hosts if h.name in used]
+    remote = [h.name for h in hosts if not loopback(h.ip)]
+    for h in hosts:
+        if remote and loopback(h.ip):
+            raise PlanError(f"host {h.name}: ansible_host {h.ansible_host} is a loopback address and no kimi_host_ip "
+                            f"is set, so it is this host's business IP, which host {remote[0]} cannot reach",
+                            hint="set kimi_host_ip to the address the other hosts reach it at")
 
 
 def _npus_per_host(role: str, spec: Role, hw: Hardware, heads: int) -> int:

@@ -277,6 +277,10 @@ def _layout(doc: dict[str, Any], path: Path) -> tuple[Hardware, list[_Node]]:
     if len(configs) != n or len(templates) != n:
         raise RecipeError(f"{path}: {len(configs)} config and {len(templates)} templates entries for "
                           f"num_nodes {n}")
+    for i, cfg in enumerate(configs):   # the recipes' harness (external_dp_config.py) requires it too
+        if "node_index" in cfg and _whole(cfg["node_index"], f"{path}: config[{i}].node_index") != i:
+            raise RecipeError(f"{path}: config[{i}].node_index is {cfg['node_index']}: config entry {i} is node {i} "
+                              "(node_index, when given, must equal the entry's position)")
     groups = routing.get("groups") or {}
     if not isinstance(groups, dict) or not all(isinstance(idx, list) for idx in groups.values()):
         raise RecipeError(f"{path}: routing.groups must map prefiller and decoder to lists of node indices")
@@ -435,6 +439,10 @@ def _instances(nodes: list[_Node], hw: Hardware, path: Path) -> dict[str, dict[s
             for key in ("cp_size", "sp_size", "pp_size"):
                 if _cfg(nd, key, 1, path) != 1:
                     raise RecipeError(f"{path}: config[{nd.index}].{key} is {nd.cfg[key]}; kimictl plans DP x TP only")
+            for key in ("dp_size", "dp_size_local", "tp_size"):
+                if _cfg(nd, key, 1, path) < 1:
+                    raise RecipeError(f"{path}: config[{nd.index}].{key} is {nd.cfg[key]}: a parallel size is at "
+                                      "least 1")
             addr = str(nd.cfg.get("dp_address", ""))
             m = _NODE_IP.match(addr)
             master = int(m.group(1)) if m else (nd.index if addr in ("${LOCAL_IP}", "") else None)

@@ -22,6 +22,8 @@ from kimictl.router_kinds import CLIENT_PROBE_PATH, STATIC_PD_ROUTER_MARK, route
 
 def check_router_url(url: str) -> str:
     """`--router URL`: an http(s) URL of a host (and port), before any host is contacted (exit 2 naming it)."""
+    if any(c.isspace() or not c.isprintable() for c in url):   # urlsplit drops them around the URL
+        raise InvalidInput(f"--router {url!r}: a URL has no blanks or control characters; give the URL alone")
     try:
         u = urllib.parse.urlsplit(url)
         port = u.port

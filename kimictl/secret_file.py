@@ -3,9 +3,11 @@ into rendered files, run directories or logs. Which files hold a cluster's keys:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from kimictl.errors import InvalidInput
@@ -21,11 +23,11 @@ ENV_KEY_RULE = ("the key must be one token of letters, digits and ._~+/=- (no sp
 MAX_SECRET = 64 << 10   # a key or a token is a few hundred bytes at most
 
 
-def read_secret_file(path: Path, what: str) -> str:
-    """The file's content without surrounding whitespace; exit 2 when missing, not a regular file, readable by
-    others, empty or too large for a key."""
+@contextlib.contextmanager
+def regular_file(path: Path, what: str) -> Iterator[tuple[int, os.stat_result]]:
+    """(fd, stat) of a file the user names (`what`: the flag or key naming it), opened without blocking (a FIFO put
+    there must not hang the command); exit 2 naming it when it cannot be opened or is not a regular file."""
     try:
-        # O_NONBLOCK: a FIFO put where the key should be must not hang the command
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as exc:
         raise InvalidInput(f"{what} {path}: {exc.strerror}") from None
@@ -33,16 +35,28 @@ def read_secret_file(path: Path, what: str) -> str:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise InvalidInput(f"{what} {path} is not a regular file")
+        yield fd, st
+    finally:
+        os.close(fd)
+
+
+def read_text(fd: int, path: Path, what: str, size: int) -> str:
+    """The UTF-8 text of regular_file's `fd` (`size` bytes at most); exit 2 naming it when it cannot be read."""
+    try:
+        return os.read(fd, size + 1).decode()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"{what} {path}: cannot read it: {exc}") from None
+
+
+def read_secret_file(path: Path, what: str) -> str:
+    """The file's content without surrounding whitespace; exit 2 when missing, not a regular file, readable by
+    others, empty or too large for a key."""
+    with regular_file(path, what) as (fd, st):
         if st.st_mode & 0o077:
             raise InvalidInput(f"{what} {path} is readable by others (mode {st.st_mode & 0o777:o}); chmod 600 it")
         if st.st_size > MAX_SECRET:
             raise InvalidInput(f"{what} {path} is {st.st_size} bytes: not a key or token (at most {MAX_SECRET})")
-        try:
-            text = os.read(fd, MAX_SECRET + 1).decode().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InvalidInput(f"{what} {path}: cannot read it: {exc}") from None
-    finally:
-        os.close(fd)
+        text = read_text(fd, path, what, MAX_SECRET).strip()
     if not text:
         raise InvalidInput(f"{what} {path} is empty")
     return text

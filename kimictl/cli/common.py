@@ -11,11 +11,14 @@ import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
 from kimictl.errors import InvalidInput, KimictlError
+
+if TYPE_CHECKING:
+    from kimictl.inventory import Inventory
 
 
 class Output(str, Enum):
@@ -40,6 +43,18 @@ ReadyTimeoutOpt = Annotated[float | None, typer.Option(
     "--ready-timeout", min=1.0, help="Seconds to wait for engines to load (default: sized to the checkpoint).")]
 TokenFileOpt = Annotated[Path | None, typer.Option(
     "--token-file", help="Hub token file (mode 0600). Default: MODELSCOPE_API_TOKEN / HF_TOKEN from the environment.")]
+
+
+def cluster_inventory(path: Path) -> Inventory:
+    """The inventory of a cluster the command talks to: load_inventory's checks, and every key the operator
+    supplies for the cluster (kimictl/cluster_secrets.py check_supplied_keys): exit 2 before any host is
+    contacted."""
+    from kimictl.cluster_secrets import check_supplied_keys
+    from kimictl.inventory import load_inventory
+
+    inv = load_inventory(path)
+    check_supplied_keys(inv)
+    return inv
 
 
 def finite_positive(value: float | None) -> float | None:

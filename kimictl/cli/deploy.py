@@ -39,6 +39,7 @@ def deploy(
     output: OutputOpt = Output.text,
 ) -> None:
     """Converge the hosts to the plan and start prefill/decode engines and the P/D proxy."""
+    from kimictl.cluster_secrets import check_supplied_keys
     from kimictl.deploy import Deployer, DeployOptions, change_diffs, smoke_text
     from kimictl.pipeline import prepare
     from kimictl.render import render
@@ -46,6 +47,7 @@ def deploy(
 
     err = common.stderr_console()
     p = prepare(inventory, topology)
+    check_supplied_keys(p.inventory)
     p.inventory.limited(limit)  # unknown --limit hosts: exit 2 before anything runs
     rendered = render(p.plan, p.inventory, p.topology)
     if skip_preflight is not None:
@@ -102,9 +104,8 @@ def rollback(
 ) -> None:
     """Return the whole cluster to the previous release (or --to RELEASE), with the deploy's gates."""
     from kimictl.deploy import Deployer, DeployOptions, rollback_target
-    from kimictl.inventory import load_inventory
 
-    inv = load_inventory(inventory)
+    inv = common.cluster_inventory(inventory)
     target, rendered = rollback_target(inv.cluster.name, to, inv, accept_new_keys=accept_new_host_keys)
     if skip_preflight is not None:
         common.stderr_console().print(f"[yellow]preflight skipped: {skip_preflight}[/]")

@@ -20,9 +20,8 @@ def heal_round(inventory: Path, given: HealGiven, say, on_event) -> HealResult:
     """One heal round on the release the cluster runs now (read again every round: a rollout may have moved it)."""
     from kimictl.cluster_record import sync
     from kimictl.heal import Healer, HealOptions, prepare_heal
-    from kimictl.inventory import load_inventory
 
-    sync(load_inventory(inventory), accept_new_keys=bool(given.get("accept_new_host_keys")))
+    sync(common.cluster_inventory(inventory), accept_new_keys=bool(given.get("accept_new_host_keys")))
     inputs = prepare_heal(inventory)
     return Healer(inputs, HealOptions.resolve(inputs.topology_heal, **given), say, on_event).run()
 

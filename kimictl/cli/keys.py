@@ -27,10 +27,10 @@ def rotate(
 ) -> None:
     """Make a new proxy admin key, install it on the proxy host (nothing restarts) and check the front takes it."""
     from kimictl.deployed import current_deployment
-    from kimictl.inventory import load_inventory
-    from kimictl.keys_rotate import check_rotatable, rotate_admin_key
+    from kimictl.keys_rotate import check_not_supplied, check_rotatable, rotate_admin_key
 
-    inv = load_inventory(inventory)
+    inv = common.cluster_inventory(inventory)
+    check_not_supplied(inv)   # before the record is read from the hosts
     rendered = current_deployment(inv.cluster.name, inv, accept_new_keys=accept_new_host_keys).rendered
     check_rotatable(inv, rendered)
     assert rendered.plan.proxy is not None

@@ -19,9 +19,8 @@ def stop(
 ) -> None:
     """Stop engines and the proxy (proxy, then decode, then prefill); weights, releases and `current` stay."""
     from kimictl import lifecycle
-    from kimictl.inventory import load_inventory
 
-    whole = load_inventory(inventory)
+    whole = common.cluster_inventory(inventory)
     inv = whole.limited(limit)
     common.confirm_or_yes(f"Stop every engine and the proxy on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
     say, on_event = common.reporters("stop")
@@ -48,9 +47,8 @@ def start(
 ) -> None:
     """Start each host's current release: engines, wait until they answer, then the proxy."""
     from kimictl import lifecycle
-    from kimictl.inventory import load_inventory
 
-    whole = load_inventory(inventory)
+    whole = common.cluster_inventory(inventory)
     inv = whole.limited(limit)
     common.confirm_or_yes(f"Start the current release on {len(inv.hosts)} host(s) of {inv.cluster.name}?", yes)
     say, on_event = common.reporters("start")

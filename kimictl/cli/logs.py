@@ -38,11 +38,11 @@ def logs(
     output: OutputOpt = Output.text,
 ) -> None:
     """Tail each engine's and the proxy's log, or collect everything into one redacted tarball."""
+    from kimictl.cli.common import cluster_inventory
     from kimictl.cluster_secrets import known_keys
-    from kimictl.inventory import load_inventory
     from kimictl.logs import Redactor, build_bundle, check_engine_ids, tail_logs
 
-    inv = load_inventory(inventory).limited(host)
+    inv = cluster_inventory(inventory).limited(host, "--host")
     check_engine_ids(inv, engine or [])
     redactor = Redactor.from_config(secrets_file=secrets_file,
                                     known=known_keys(inv))

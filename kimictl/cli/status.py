@@ -26,11 +26,11 @@ def status(
                        "an escalation exits 1.")] = False,
 ) -> None:
     """Show every engine's state, the P/D pair probe, the proxy and release drift."""
+    from kimictl.cli.common import cluster_inventory
     from kimictl.cluster_record import sync
-    from kimictl.inventory import load_inventory
     from kimictl.status import collect_status
 
-    inv = load_inventory(inventory)
+    inv = cluster_inventory(inventory)
     while True:
         try:
             record = sync(inv)   # the cluster's release record: `release` and drift are judged against it
@@ -97,13 +97,17 @@ def bench(
     output: OutputOpt = Output.text,
 ) -> None:
     """Load the serving endpoint (the P/D proxy, or the engine) and report TTFT/TPOT percentiles against the SLO."""
-    from kimictl.bench import BenchSpec, run_bench
+    from kimictl.bench import BenchSpec, check_fits, run_bench
+    from kimictl.cli.common import cluster_inventory
     from kimictl.cluster_secrets import proxy_api_key
+    from kimictl.deployed import cached_deployment
     from kimictl.errors import KimictlError
-    from kimictl.inventory import load_inventory
     from kimictl.status import collect_status
 
-    inv = load_inventory(inventory)
+    inv = cluster_inventory(inventory)
+    spec = BenchSpec(requests, concurrency, input_tokens, output_tokens, timeout, slo_tpot_ms, slo_ttft_ms)
+    deployed = cached_deployment(inv.cluster.name)
+    check_fits(spec, deployed.rendered if deployed else None)   # before any endpoint is asked or loaded
     st = collect_status(inv, probe_pairs=False)
     api_key = None
     if st.proxy and st.proxy.state == "ready":
@@ -114,7 +118,6 @@ def bench(
         if not ready:
             raise KimictlError(f"no serving endpoint is ready (cluster state {st.state}); see `kimictl status`")
         host, port = ready[0].ip, ready[0].port
-    spec = BenchSpec(requests, concurrency, input_tokens, output_tokens, timeout, slo_tpot_ms, slo_ttft_ms)
     doc = run_bench(host, port, st.served_model_name or "", spec, api_key).summary()
     if output == Output.json:
         emit_json(doc)

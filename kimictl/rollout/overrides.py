@@ -58,14 +58,22 @@ def _value(text: str, *, as_string: bool) -> Any:
         return text
 
 
-def parse_set(item: str, topo: Topology) -> Setting:
-    """Parse and locate one K=V; an unknown key is an error naming the key, with a did-you-mean."""
+def _key_value(item: str) -> tuple[str, str]:
+    """KEY=VALUE split; the key exactly as typed (a quoted ' decode.dp=4' is no shell word split)."""
     key, sep, raw_value = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
+    if not sep or not key.strip():
         raise _bad(item, "expected KEY=VALUE")
+    if key != key.strip():
+        raise _bad(item, f"the key {key!r} has blanks around it; write KEY=VALUE without them "
+                         f"({key.strip()}={raw_value})")
     if raw_value == "":
         raise _bad(item, "empty value (write KEY=null to remove a key)")
+    return key, raw_value
+
+
+def parse_set(item: str, topo: Topology) -> Setting:
+    """Parse and locate one K=V; an unknown key is an error naming the key, with a did-you-mean."""
+    key, raw_value = _key_value(item)
     if key.startswith("kimi_"):
         spec = KEYS.get(key)
         if spec is None:

@@ -408,6 +408,7 @@ def prepare_rollout(inventory: Path, topology: str | None, set_items: list[str],
     """Validate everything exactly like deploy (plan + render of the new inputs) before any host is touched.
     `read_cluster`: read the cluster's release record back first (kimictl/cluster_record.py; the CLI does), once the
     input checks that need no host passed."""
+    from kimictl.cluster_secrets import check_supplied_keys
     from kimictl.deployed import cached_deployment
     from kimictl.inventory import load_inventory
     from kimictl.pipeline import prepare
@@ -427,6 +428,7 @@ def prepare_rollout(inventory: Path, topology: str | None, set_items: list[str],
             topo_path = None   # not readable here: the cluster's record may name one that is
         if topo_path:   # bad --set against the cached record's topology: exit 2 before any host is contacted
             parse_sets(set_items, prepare(inventory, topo_path).topology)
+    check_supplied_keys(inv)   # a bad supplied key: exit 2 before the record is read from the hosts
     deployed = current_deployment(inv.cluster.name, inv if read_cluster else None, accept_new_keys)
     if not topology:
         p = prepare(inventory, deployed.topology())
