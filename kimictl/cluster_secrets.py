@@ -87,8 +87,16 @@ def supplied_key(inv: Inventory, spec: ClusterKey) -> str | None:
 def check_supplied_keys(inv: Inventory) -> None:
     """Every key the operator supplies for the cluster (the inventory's files, else the environment variables)
     checked once, before a command that talks to the cluster contacts any host: exit 2 naming the file or the
-    variable. The engines' key only where engines are keyed (all.vars.kimi_api_key_file)."""
-    for spec in (ADMIN_KEY, ENGINE_KEY) if inv.cluster.kimi_api_key_file else (ADMIN_KEY,):
+    variable. Engines are keyed only where clients are (all.vars.kimi_api_key_file): an engine key supplied
+    without it would be silently unused, so it is refused (as the inventory's kimi_engine_api_key_file is)."""
+    if not inv.cluster.kimi_api_key_file:
+        if os.environ.get(ENGINE_KEY.env_var):
+            raise InvalidInput(f"{ENGINE_KEY.env_var} is set but {inv.path} has no all.vars.kimi_api_key_file: "
+                               "engines are keyed only with kimi_api_key_file (clients' key), so this key would "
+                               "be unused", hint=f"set kimi_api_key_file in all.vars, or unset {ENGINE_KEY.env_var}")
+        supplied_key(inv, ADMIN_KEY)
+        return
+    for spec in (ADMIN_KEY, ENGINE_KEY):
         supplied_key(inv, spec)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 import re
 import shlex
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
@@ -132,6 +133,20 @@ def _ipv4(why: str):
     return check
 
 
+def _nic(v: str) -> str:
+    """A Linux interface name (IFNAMSIZ: at most 15 characters, no '/', no blank, not '.' or '..'), not an address."""
+    try:
+        ipaddress.ip_address(v)
+    except ValueError:
+        pass
+    else:
+        raise ValueError(f"{v!r} is an IP address; give the name of the interface that carries it (e.g. eth0)")
+    if not _NIC.fullmatch(v):   # starts with a letter or digit: never '.' or '..'; no '/', no blank
+        raise ValueError(f"{v!r} is not a valid network interface name (at most 15 characters: letters, digits, "
+                         "'.', '_', '-')")
+    return v
+
+
 def _hardware(v: str) -> str:
     known = hardware_catalogue()
     if v not in known:
@@ -166,7 +181,7 @@ MediaDir = Annotated[str, AfterValidator(_abs_path), AfterValidator(_not_root), 
 ModelId = Annotated[str, AfterValidator(_matches(_MODEL_ID, "model id (owner/name)"))]
 Revision = Annotated[str, AfterValidator(_matches(_REVISION, "revision")), AfterValidator(_no_dotdot)]
 Url = Annotated[str, AfterValidator(_matches(_URL, "http(s) URL")), AfterValidator(_port_ok)]
-Nic = Annotated[str, AfterValidator(_matches(_NIC, "network interface name"))]
+Nic = Annotated[str, AfterValidator(_nic)]
 Address = Annotated[str, AfterValidator(_address)]
 HardwareName = Annotated[str, AfterValidator(_hardware)]
 Command = Annotated[str, AfterValidator(_command)]
@@ -681,10 +696,17 @@ def _host_checks(c: _Collector, cluster: ClusterSettings, h: Host, seen_addr: di
         if len(h.kimi_device_ips) != want:
             c.err(line, f"host {h.name}: kimi_device_ips has {len(h.kimi_device_ips)} addresses; "
                         f"{h.kimi_hardware} has {want} NPUs, one device IP each")
-        for ip in h.kimi_device_ips:
+        shared: dict[str, list[str]] = {}   # other host -> the device IPs it lists too
+        for ip, n in Counter(h.kimi_device_ips).items():
+            if n > 1:
+                c.err(line, f"host {h.name}: kimi_device_ips lists device IP {ip} "
+                            f"{'twice' if n == 2 else f'{n} times'} (one device IP per NPU)")
             if ip in seen_dev:
-                c.err(line, f"host {h.name}: device IP {ip} is also used by {seen_dev[ip]}")
+                shared.setdefault(seen_dev[ip], []).append(ip)
             seen_dev.setdefault(ip, h.name)
+        for other, ips in shared.items():
+            c.err(line, f"host {h.name}: kimi_device_ips shares {len(ips)} address(es) with host {other}'s "
+                        f"kimi_device_ips: device IP {', '.join(ips)} (each NPU needs its own device IP)")
 
 
 _SSH_USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._@-]{0,63}")   # what useradd and ssh accept as a login name

@@ -31,7 +31,7 @@ from kimictl.facts import (
     switch_spellings,
     version_profile,
 )
-from kimictl.topology import SERVE_TYPES, Topology
+from kimictl.topology import SERVE_TYPES, Ports, Topology
 from kimictl.yamlsrc import load_yaml
 
 ROLES = {"prefiller": "prefill", "decoder": "decode"}
@@ -194,6 +194,20 @@ def _whole(value: Any, where: str) -> int:
     return int(value)
 
 
+def _port(value: Any, where: str, field: str | None = None) -> int:
+    """A port of the recipe: a whole number 1-65535, and within the range of kimictl's `ports.<field>` if given."""
+    port = _whole(value, where)
+    if not 1 <= port <= 65535:
+        raise RecipeError(f"{where}: {port} is not a port (1-65535)")
+    if field is not None:
+        meta = Ports.model_fields[field].metadata
+        lo = next(m.ge for m in meta if hasattr(m, "ge"))
+        hi = next(m.le for m in meta if hasattr(m, "le"))
+        if not lo <= port <= hi:
+            raise RecipeError(f"{where}: {port} is outside {lo}-{hi}, the range of the topology's ports.{field}")
+    return port
+
+
 def _typed(flag: str, value: str, where: str) -> Any:
     if flag in SERVE_TYPES and SERVE_TYPES[flag][1].startswith("a mapping"):
         return _json(value, where)
@@ -277,6 +291,10 @@ def _layout(doc: dict[str, Any], path: Path) -> tuple[Hardware, list[_Node]]:
     if len(configs) != n or len(templates) != n:
         raise RecipeError(f"{path}: {len(configs)} config and {len(templates)} templates entries for "
                           f"num_nodes {n}")
+    for i, tpl in enumerate(templates):
+        if not isinstance(tpl.get("envs") or {}, dict):
+            raise RecipeError(f"{path}: templates[{i}].envs is {reported(tpl['envs'])}, not a mapping of "
+                              "NAME: value (a list of NAME=VALUE is not what the recipes' harness reads)")
     for i, cfg in enumerate(configs):   # the recipes' harness (external_dp_config.py) requires it too
         if "node_index" in cfg and _whole(cfg["node_index"], f"{path}: config[{i}].node_index") != i:
             raise RecipeError(f"{path}: config[{i}].node_index is {cfg['node_index']}: config entry {i} is node {i} "
@@ -484,8 +502,11 @@ def _instances(nodes: list[_Node], hw: Hardware, path: Path) -> dict[str, dict[s
 
 
 def _ports(nodes: list[_Node], path: Path) -> dict[str, int]:
-    http = {_cfg(nd, "port_start", 7100, path) for nd in nodes}
-    rpc = {_cfg(nd, "dp_rpc_port", 12321, path) for nd in nodes}
+    def port(nd: _Node, key: str, default: int, field: str) -> int:
+        return _port(nd.cfg.get(key, default), f"{path}: config[{nd.index}].{key}", field)
+
+    http = {port(nd, "port_start", 7100, "http_base") for nd in nodes}
+    rpc = {port(nd, "dp_rpc_port", 12321, "rpc") for nd in nodes}
     if len(http) != 1 or len(rpc) != 1:
         raise RecipeError(f"{path}: port_start {sorted(http)} and dp_rpc_port {sorted(rpc)} differ between nodes; "
                           "kimictl uses one of each for the whole deployment")
@@ -606,6 +627,8 @@ def _map_kv(node: _Node, kv: dict[str, Any], ver: VersionProfile, out: _Collect)
     want = "kv_producer" if node.role == "prefill" else "kv_consumer"
     if kv.get("kv_role") != want:
         raise RecipeError(f"{where}: kv_role {kv.get('kv_role')!r} on a {node.role} node (expected {want})")
+    if "kv_port" in kv:   # kimictl gives each instance its own (a deviation), but a value that is no port is a typo
+        _port(kv["kv_port"], f"{where}: kv_port")
     for key in sorted(set(kv) - {"kv_connector", "kv_role", "kv_port", "engine_id", "kv_connector_extra_config"}):
         out.miss(where, f"{key}={json.dumps(kv[key])}", "kimictl renders the registered connector name only"
                  if key == "kv_connector_module_path" else "kimictl has no setting for it")

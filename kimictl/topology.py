@@ -17,6 +17,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.json_schema import SkipJsonSchema
 
 from kimictl.errors import TopologyError, did_you_mean
 from kimictl.facts import DATA_DIR, hardware_catalogue, switch_rules
@@ -199,7 +200,7 @@ class Topology(_Strict):
     speculative: Speculative | None = None
     slo: Slo | None = Field(None, description="serving targets for `kimictl observe` alerts")
     heal: Heal | None = Field(None, description="`kimictl heal`'s hang deadline and flap damping")
-    source: str = Field("", exclude=True)
+    source: SkipJsonSchema[str] = Field("", exclude=True)   # where kimictl read the file: not a key of it
 
     @field_validator("hardware")
     @classmethod

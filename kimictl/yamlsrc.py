@@ -27,10 +27,24 @@ class _LineLoader(yaml.SafeLoader):
     pass
 
 
+class _MergeError(yaml.constructor.ConstructorError):
+    """`<<:` given something other than a mapping (or a list of mappings): the mapping holding it is `node`."""
+
+    def __init__(self, node: yaml.MappingNode, key: yaml.Node, value: yaml.Node) -> None:
+        kind = "a list of plain values" if isinstance(value, yaml.SequenceNode) else "a plain value"
+        super().__init__(None, None, f"`<<:` merges {kind}, not a mapping of key: value", key.start_mark)
+        self.node = node
+
+
 def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode, deep: bool = False) -> LineMap:
     # Merge keys (`<<: *defaults`) read the way Ansible reads them: the merged mappings' keys first, each key
     # written in this mapping wins over a merged one; only a key written twice in this mapping is a duplicate.
     own = {id(k) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"}
+    for key_node, value_node in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge" and not (
+                isinstance(value_node, yaml.MappingNode) or (isinstance(value_node, yaml.SequenceNode)
+                and all(isinstance(v, yaml.MappingNode) for v in value_node.value))):
+            raise _MergeError(node, key_node, value_node)
     loader.flatten_mapping(node)
     out = LineMap()
     out.line = node.start_mark.line + 1
@@ -124,6 +138,28 @@ def _read(path: Path, what: str) -> str:
         raise InvalidInput(f"{path}:{line}: {what} is not UTF-8 text (byte {data[exc.start]:#04x})") from None
 
 
+def _path_of(root: yaml.Node, target: yaml.Node) -> str:
+    """The key path (`templates[1].envs`) of the first place `target` appears under root ("" for root itself)."""
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(root, "")]
+    while stack:
+        node, at = stack.pop()
+        if node is target:
+            return at
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            items = [(v, f"{at}.{k.value}" if at else str(k.value)) for k, v in node.value
+                     if isinstance(k, yaml.ScalarNode)]
+        elif isinstance(node, yaml.SequenceNode):
+            items = [(v, f"{at}[{i}]") for i, v in enumerate(node.value)]
+        else:
+            items = []
+        stack.extend(reversed(items))
+    return ""
+
+
 def _oversized_path(node: yaml.Node, cap: int) -> tuple[str, yaml.Node]:
     """Where an oversized document grows: the key path down to the smallest value that still expands past cap."""
     path: list[str] = []
@@ -162,6 +198,10 @@ def load_yaml(path: Path, what: str) -> Any:
                                f"{MAX_EXPANDED_NODES} values through YAML aliases (*name); write the values out or "
                                "use fewer nested aliases")
         doc = loader.construct_document(node)
+    except _MergeError as exc:
+        key = _path_of(node, exc.node) or what
+        raise InvalidInput(f"{path}:{exc.problem_mark.line + 1}: {key}: {exc.problem}; write {key} as a mapping "
+                           "(or merge a mapping: `<<: *name` where &name is a mapping)") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}" if mark else str(path)

@@ -17,6 +17,18 @@ DEFAULT_DIR = Path("/var/tmp/kimictl-sandbox")
 DirOpt = Annotated[Path, typer.Option("--dir", "-d", help="Sandbox directory (state, inventory, keys).")]
 
 
+def _checked(directory: Path) -> Path:
+    """--dir: a directory, or a path that can become one (its first existing ancestor is a directory)."""
+    for at in (directory, *directory.parents):
+        if at.exists():
+            if not at.is_dir():
+                what = "is" if at == directory else f"is inside {at}, which is"
+                raise InvalidInput(f"--dir/-d {directory} {what} not a directory (the sandbox directory holds its "
+                                   "state, inventory and keys)")
+            break
+    return directory
+
+
 def _log(msg: str) -> None:
     stderr_console().print(f"[dim]sandbox:[/dim] {msg}", highlight=False)
 
@@ -45,7 +57,7 @@ def up(
         raise InvalidInput(f"--checkpoint-mib {checkpoint_mib} must be >= 0")
     if not 1 <= checkpoint_shards <= 4096:
         raise InvalidInput(f"--checkpoint-shards {checkpoint_shards} must be 1..4096")
-    sb = Sandbox(directory, _log)
+    sb = Sandbox(_checked(directory), _log)
     res = sb.up(hosts, hardware, cluster=name, faults=fault or [], mode=mode, checkpoint_bytes=checkpoint_mib * 2**20,
                 checkpoint_shards=checkpoint_shards, inject=Injector(sb).apply)
     st = res.state
@@ -72,7 +84,7 @@ def down(directory: DirOpt = DEFAULT_DIR, output: OutputOpt = Output.text) -> No
     """Stop every fake host and remove namespaces, links, mounts and files."""
     from kimictl.sandbox.cluster import Sandbox
 
-    removed = Sandbox(directory, _log).down()
+    removed = Sandbox(_checked(directory), _log).down()
     if output == Output.json:
         emit_json({"schema_version": 1, "dir": str(directory), "removed": removed})
     else:
@@ -86,7 +98,7 @@ def status(directory: DirOpt = DEFAULT_DIR, output: OutputOpt = Output.text) -> 
     from kimictl.errors import EXIT_DEGRADED, EXIT_FAILED
     from kimictl.sandbox.cluster import Sandbox
 
-    doc = Sandbox(directory).status()
+    doc = Sandbox(_checked(directory)).status()
     if output == Output.json:
         emit_json(doc)
     elif doc["state"] == "absent":
@@ -121,7 +133,7 @@ def fault(
     from kimictl.sandbox.cluster import Sandbox
     from kimictl.sandbox.inject import Injector
 
-    injector = Injector(Sandbox(directory, _log))
+    injector = Injector(Sandbox(_checked(directory), _log))
     parsed = [injector.parse(s) for s in spec]   # all specs are checked before any is applied
     active: list[str] = []
     for f in parsed:

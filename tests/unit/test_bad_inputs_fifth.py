@@ -198,7 +198,8 @@ def test_the_engine_key_variable_counts_only_where_engines_are_keyed(tmp_path: P
     from kimictl.inventory import load_inventory
 
     monkeypatch.setenv("KIMICTL_ENGINE_API_KEY", "a b")
-    check_supplied_keys(load_inventory(_inventory(tmp_path, hosts=2)))   # no kimi_api_key_file: not read
+    with pytest.raises(InvalidInput, match=r"KIMICTL_ENGINE_API_KEY is set but .* no all\.vars\.kimi_api_key_file"):
+        check_supplied_keys(load_inventory(_inventory(tmp_path, hosts=2)))   # unkeyed engines: never unused
     monkeypatch.setenv("KIMICTL_PROXY_ADMIN_KEY", "adm-unit-1")
     key = tmp_path / "k"
     key.write_text("sk-unit-1\n")
