@@ -45,14 +45,15 @@ def _matches(pattern: re.Pattern[str], what: str):
     return check
 
 
-_PORT_IN = re.compile(r"^(?:https?://)?(?:\[[^\]]*\]|[^/:]*):(\d+)(?:/|$)")
+_PORT_IN = re.compile(r"^(?:https?://)?(?:\[[^\]]*\]|[^/:]*):([^/]*)(?:/|$)")
 
 
 def _port_ok(v: str) -> str:
     """A URL's or registry's :port, when it has one, is a TCP port."""
     m = _PORT_IN.match(v)
-    if m and not 1 <= int(m.group(1)) <= 65535:
-        raise ValueError(f"{v!r}: port {m.group(1)} is not a TCP port (1-65535)")
+    port = m.group(1) if m else ""
+    if m and not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{v!r}: port {port if port.isdigit() else repr(port)} is not a TCP port (1-65535)")
     return v
 
 

@@ -127,8 +127,12 @@ def read_token(source: str, token_file: Path | None) -> str | None:
                                "printable text")
         return token
     for name in TOKEN_ENV.get(source, ()):
-        if os.environ.get(name):
-            return os.environ[name]
+        token = os.environ.get(name)
+        if token:
+            if len(token.split()) != 1 or not token.strip().isprintable():   # it goes whole into an HTTP header
+                raise InvalidInput(f"{name}: a hub token is one printable word (this one holds whitespace, a line "
+                                   "break or a control character)", hint=f"unset {name}, or set it to the token")
+            return token.strip()
     return None
 
 

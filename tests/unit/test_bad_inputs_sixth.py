@@ -154,3 +154,22 @@ def test_an_engine_key_without_the_clients_key_is_refused_first(tmp_path: Path, 
         err = _refused(args, "KIMICTL_ENGINE_API_KEY is set", str(inv), "all.vars.kimi_api_key_file",
                        "engines are keyed only with kimi_api_key_file")
         assert "ek-unit-1" not in err
+
+
+def test_a_url_port_that_is_no_number_and_a_hub_token_env_with_a_line_break(inventory_factory, monkeypatch,
+                                                                              tmp_path) -> None:
+    """Issue 27, the sixth held-out corpus: `host:port` with a word for the port is no port; a hub token from the
+    environment with a line break never reaches an HTTP header (refused before the lease and any host)."""
+    from test_bad_inputs import A3D, A3P, _inv, _invoke
+
+    inv = inventory_factory(_inv({"kimi_model_endpoint": "http://mirror.example.com:port"}, {"a3-p": A3P, "a3-d": A3D}))
+    r = _invoke(["validate", "-i", str(inv), "--topology", "a3-pd"])
+    assert r.exit_code == 2 and "kimi_model_endpoint" in r.stderr and "port 'port' is not a TCP port" in r.stderr
+    ok = inventory_factory(_inv({"kimi_model_endpoint": "http://mirror.example.com:8443/ms"},
+                                {"a3-p": A3P, "a3-d": A3D}), name="ok.yml")
+    assert _invoke(["validate", "-i", str(ok), "--topology", "a3-pd"]).exit_code == 0
+    closed = {"a3-p": {**A3P, "ansible_port": 9}, "a3-d": {**A3D, "ansible_port": 9}}
+    hf = inventory_factory(_inv({"kimi_model_source": "huggingface"}, closed), name="hf.yml")
+    monkeypatch.setenv("HF_TOKEN", "hf_abc\nX-Evil: 1")
+    r = _invoke(["weights", "pull", "-i", str(hf)])
+    assert r.exit_code == 2 and "HF_TOKEN: a hub token is one printable word" in r.stderr, r.output
