@@ -207,12 +207,14 @@ def test_proxy_exporter_cuts_slow_clients_and_refuses_past_its_cap(procs):
     try:
         for s in slow:
             s.sendall(b"GET /metr")
-        time.sleep(0.3)  # both accepted: every slot is held
-        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-            got = b""
-            while chunk := s.recv(65536):
-                got += chunk
+        # once the exporter has taken both (a loaded machine may take a moment), every slot is held
+        deadline, got = time.monotonic() + 20, b""
+        while not got.startswith(b"HTTP/1.0 503") and time.monotonic() < deadline:
+            with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+                s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                got = b""
+                while chunk := s.recv(65536):
+                    got += chunk
         assert got.startswith(b"HTTP/1.0 503") and b"Retry-After: 1" in got
         # One byte every 0.1 s never trips a per-read timeout; the connection's deadline ends it.
         for s in slow:
