@@ -11,13 +11,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kimictl import ascend, health, lease
-from kimictl.cluster_secrets import engine_api_key, proxy_admin_key, proxy_api_key
+from kimictl.cluster_secrets import engine_api_key, proxy_api_key
 from kimictl.errors import guide
 from kimictl.facts import engine_profile
 from kimictl.inventory import Host, Inventory
 from kimictl.observe_up import monitoring_status
 from kimictl.render import PROXY_FRONT_STATE
-from kimictl.routers import RouterError, membership_client, proxy_ready
+from kimictl.routers import RouterError, front_admin_key, membership_client, proxy_ready
 from kimictl.ssh import Sessions, SSHError
 from kimictl.state import ReleaseRecord
 from kimictl.state import current as recorded_release
@@ -234,7 +234,7 @@ def collect_status(inv: Inventory, *, timeout: float = 10.0, probe_pairs: bool =
     proxy = seen.proxy
     if proxy and proxy.state == "ready":
         # The routers' own API takes kimictl's admin key (a front made before it had one took the client key).
-        admin = proxy_admin_key(inv, proxy.host) if proxy.admin_key else api_key
+        admin = front_admin_key(inv, proxy.host, proxy.ip, proxy.port) if proxy.admin_key else api_key
         proxy.membership = _membership(seen.engines, proxy, admin)
     mon = monitoring_status(inv.cluster.name)
     return StatusReport(schema_version=STATUS_SCHEMA_VERSION, cluster=inv.cluster.name,

@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kimictl import health
-from kimictl.cluster_secrets import engine_api_key, proxy_admin_key
+from kimictl.cluster_secrets import engine_api_key
 from kimictl.errors import HostError, InvalidInput
 from kimictl.facts import engine_profile
 from kimictl.hostops import HostOps, Proc
 from kimictl.inventory import Inventory
 from kimictl.render import Rendered
 from kimictl.router_kinds import router_kind
-from kimictl.routers import AscendProxyAdmin, FrontControl, RouterAdmin, RouterError
+from kimictl.routers import AscendProxyAdmin, FrontControl, RouterAdmin, RouterError, front_admin_key
 from kimictl.slices.model import Endpoint, Slice, slices_of
 from kimictl.slices.probes import drain_sampler, pair_probe, wait_drained
 
@@ -95,7 +95,8 @@ class SliceSteps:
         assert rendered.proxy is not None and rendered.plan.proxy is not None
         base = f"http://{rendered.proxy.host}:{rendered.proxy.port}"
         own = [f"{base}/kimictl/router/{i}" for i in range(len(rendered.proxy.routers))] or [base]
-        key = (proxy_admin_key(self.inv, rendered.plan.proxy.host) if rendered.plan.proxy.admin_key
+        key = (front_admin_key(self.inv, rendered.plan.proxy.host, rendered.proxy.host, rendered.proxy.port,
+                               http=self.http) if rendered.plan.proxy.admin_key
                else self.api_key)
         if router_kind(rendered.plan.proxy.router).membership == "instances":
             self.front_ctl = self.make_front(base, api_key=key, http=self.http)

@@ -217,3 +217,33 @@ def test_the_read_command_answers_as_parse_answer_expects_in_a_real_shell(tmp_pa
         ask(tmp_path / "dir")
     with pytest.raises(HostError, match="at most 65536"):
         ask(_secret(tmp_path, "big", "k" * (100 << 10)))   # only the first 64 KiB + 1 byte travel
+
+
+def test_a_copy_the_front_refuses_is_dropped_and_the_clusters_key_read_back(tmp_path: Path, monkeypatch) -> None:
+    """The admin key was rotated from another control node: this node's copy is stale. Status, heal and rollout ask
+    the front with it, get 403, drop the copy and read the cluster's key back (no 403 reaches the user); a key the
+    front takes, or one the operator supplies, is used as it is."""
+    from fake_sessions import held_keys
+
+    from kimictl import key_readback
+    from kimictl.cluster_secrets import ADMIN_KEY, cluster_secret_path, keep_copy
+    from kimictl.routers import front_admin_key
+
+    inv = _inv(tmp_path)
+    proxy = inv.hosts[0].name
+    monkeypatch.setattr(key_readback, "Sessions", held_keys({proxy: {"proxy-admin-key": "rotated-elsewhere\n"}}))
+    keep_copy(inv.cluster.name, ADMIN_KEY, "the-stale-copy", replace=True)
+    asked: list[str | None] = []
+
+    class Front:
+        def http_get(self, url: str, timeout: float = 3.0, api_key: str | None = None) -> tuple[int, str]:
+            asked.append(api_key)
+            return (200, "{}") if api_key == "rotated-elsewhere" else (403, "router admin paths need the admin key")
+
+    assert front_admin_key(inv, proxy, "10.0.0.1", 8000, http=Front()) == "rotated-elsewhere"
+    assert asked == ["the-stale-copy"]
+    assert cluster_secret_path(inv.cluster.name, ADMIN_KEY.name).read_text() == "rotated-elsewhere\n"
+    assert front_admin_key(inv, proxy, "10.0.0.1", 8000, http=Front()) == "rotated-elsewhere"   # taken: kept
+    monkeypatch.setenv("KIMICTL_PROXY_ADMIN_KEY", "operators-key")
+    assert front_admin_key(inv, proxy, "10.0.0.1", 8000, http=Front()) == "operators-key"
+    assert asked == ["the-stale-copy", "rotated-elsewhere"]   # a supplied key is not second-guessed
