@@ -25,6 +25,7 @@ from kimictl.errors import HostError, InvalidInput
 from kimictl.hostops import HostOps
 from kimictl.inventory import Inventory
 from kimictl.render import Rendered
+from kimictl.router_kinds import router_kind
 from kimictl.routers import front_admin_code
 from kimictl.rundir import save_run
 
@@ -37,10 +38,11 @@ class RotateResult:
     proxy_host: str
     run_dir: str
     check: int   # the front's answer to the new key
+    path: str = "/kimictl/router/0/health"   # what it was asked: router copy 0's health path behind the front
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": 1, "cluster": self.cluster, "rotated": ["admin"], "proxy_host": self.proxy_host,
-                "check": {"path": "/kimictl/router/0/health", "code": self.check}, "run_dir": self.run_dir}
+                "check": {"path": self.path, "code": self.check}, "run_dir": self.run_dir}
 
 
 def check_rotatable(inv: Inventory, rendered: Rendered) -> None:
@@ -82,9 +84,10 @@ def rotate_admin_key(inv: Inventory, rendered: Rendered, say: Callable[[str], No
         say(f"installing a new admin key on {p.host}")
         ops.install_release(rendered, [p.host], admin_key_file=pending)
         new = pending.read_text().strip()
-        code = _front_answer(p.ip, p.port, new, http, check_timeout)
+        path = router_kind(p.router).health_path
+        code = _front_answer(p.ip, p.port, new, http, check_timeout, path)
         if code != 200:
-            raise HostError(f"the proxy front answers GET /kimictl/router/0/health with the new admin key with "
+            raise HostError(f"the proxy front answers GET /kimictl/router/0{path} with the new admin key with "
                             f"{f'HTTP {code}' if code else 'no answer'}, not 200", host=p.host, step="keys check",
                             hint="see `kimictl status` and the proxy's log; run `kimictl keys rotate` again once "
                                  "the front answers")
@@ -96,15 +99,15 @@ def rotate_admin_key(inv: Inventory, rendered: Rendered, say: Callable[[str], No
         ops.close()
     os.replace(pending, cluster_secret_path(cluster, ADMIN_KEY.name))   # the cluster's key: this node's copy now
     say(f"the front on {p.host} takes the new admin key")
-    return RotateResult(cluster, p.host, str(ops.run_dir), code)
+    return RotateResult(cluster, p.host, str(ops.run_dir), code, f"/kimictl/router/0{path}")
 
 
-def _front_answer(ip: str, port: int, key: str, http: Any, timeout: float) -> int:
+def _front_answer(ip: str, port: int, key: str, http: Any, timeout: float, path: str) -> int:
     """The front's answer to the new key, asked again while it refuses it (403) or does not answer, up to
     `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
-        code = front_admin_code(ip, port, key, http=http)
+        code = front_admin_code(ip, port, key, http=http, path=path)
         if code == 200 or time.monotonic() >= deadline:
             return code
         time.sleep(0.5)

@@ -67,11 +67,12 @@ def proxy_ready(router: str | None, ip: str, port: int, served_name: str, timeou
 # --- runtime membership: one client per router kind (rollout drains and re-adds through them; status reads them) ---
 
 
-def front_admin_code(ip: str, port: int, key: str | None, timeout: float = 5.0, http: Any = None) -> int:
-    """What kimictl's proxy front answers GET /kimictl/router/0/health with `key` as the admin key (403: it refuses
-    the key; 0: no answer): deploy asks whether the front holds the cluster's key, `keys rotate` whether it took the
-    new one."""
-    return (http or health).http_get(f"http://{ip}:{port}/kimictl/router/0/health", timeout, key)[0]
+def front_admin_code(ip: str, port: int, key: str | None, timeout: float = 5.0, http: Any = None,
+                     path: str = "/health") -> int:
+    """What kimictl's proxy front answers GET /kimictl/router/0<path> with `key` as the admin key (403: it refuses
+    the key; 0: no answer; else router copy 0's own answer to `path`, its router kind's health path for a 200):
+    deploy asks whether the front holds the cluster's key, `keys rotate` whether it took the new one."""
+    return (http or health).http_get(f"http://{ip}:{port}/kimictl/router/0{path}", timeout, key)[0]
 
 
 def front_admin_key(inv: Any, proxy_host: str, ip: str, port: int, http: Any = None) -> str | None:

@@ -92,9 +92,10 @@ def test_rotate_installs_a_new_key_on_the_proxy_host_checks_it_and_keeps_it(tmp_
     copy = cluster_secret_path(CLUSTER, ADMIN_KEY.name)
     assert copy.read_text() == new + "\n" and copy.stat().st_mode & 0o777 == 0o600
     assert sorted(p.name for p in copy.parent.iterdir()) == ["proxy-admin-key"]   # no pending file left
-    assert front.asked == [(f"http://{proxy.ip}:{proxy.port}/kimictl/router/0/health", new)]
+    # router copy 0's own health path (vllm-ascend's proxy: /healthcheck; it has no /health)
+    assert front.asked == [(f"http://{proxy.ip}:{proxy.port}/kimictl/router/0/healthcheck", new)]
     assert res.to_json() == {"schema_version": 1, "cluster": CLUSTER, "rotated": ["admin"], "proxy_host": proxy.host,
-                             "check": {"path": "/kimictl/router/0/health", "code": 200},
+                             "check": {"path": "/kimictl/router/0/healthcheck", "code": 200},
                              "run_dir": str(tmp_path / "run")}
 
 
