@@ -168,11 +168,13 @@ def test_a_link_down_under_a_serving_cluster_leads_to_the_pair_probe_row(guide) 
     try:
         proc = kimictl("status", "-i", inv, env=guide.env)
         assert proc.returncode == 3, proc.stdout[-3000:]
-        # vllm-ascend's proxy has answered 200 before decode fails the request: the answer is empty
-        assert "P/D pair probe: failed - HTTP 200 without a completion;" in proc.stdout, proc.stdout[-3000:]
-        assert "(an empty answer)" in proc.stdout and "hint: docs/operators.md#t-pair-probe" in proc.stdout
+        # vllm-ascend's proxy has answered 200 before decode fails the request: the answer is empty; kimictl's front
+        # sends it once more to the other router copy, which fails it the same way, and answers 502 saying so
+        assert "P/D pair probe: failed - HTTP 502;" in proc.stdout, proc.stdout[-3000:]
+        assert ("router 0 answered 200 with an empty body, then router 1 answered 200 with an empty body"
+                in proc.stdout and "hint: docs/operators.md#t-pair-probe" in proc.stdout), proc.stdout[-3000:]
         row = doc.row("t-pair-probe")
-        assert "HTTP 200 without a completion" in row and "(#t-kv-transfer)" in row
+        assert "HTTP 502" in row and "answered 200 with an empty body" in row and "(#t-kv-transfer)" in row
         # the row sends the operator to decode's log, whose hint names the KV-transfer row
         logs = kimictl("logs", "-i", inv, "--role", "decode", "--lines", "200", env=guide.env)
         assert re.search(r"KV transfer for request \S+ from prefill engine .* failed", logs.stdout), logs.stdout[-3000:]
