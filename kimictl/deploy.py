@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kimictl import cluster_record, health, state
-from kimictl.cluster_secrets import ADMIN_KEY, forget_copy, proxy_admin_key, supplied_key
+from kimictl.cluster_secrets import proxy_admin_key
 from kimictl.errors import HostError, InvalidInput, KimictlError, guide
 from kimictl.facts import engine_profile
 from kimictl.hostops import (
@@ -26,7 +26,7 @@ from kimictl.hostops import (
 from kimictl.inventory import Inventory
 from kimictl.plan import Plan
 from kimictl.render import ENGINE_KEY_ENV, Rendered
-from kimictl.routers import front_admin_code
+from kimictl.routers import front_admin_code, front_admin_key
 from kimictl.rundir import run_snapshot, save_run
 from kimictl.ssh import Sessions, SSHError
 
@@ -269,12 +269,7 @@ class Deployer:
         p = self.plan.proxy
         if not p or not p.admin_key:
             return False
-        key = proxy_admin_key(self.full_inv, p.host, create=True)
-        if front_admin_code(p.ip, p.port, key, http=self.http) != 403:
-            return False
-        if supplied_key(self.full_inv, ADMIN_KEY) is not None or not forget_copy(self.plan.cluster, ADMIN_KEY):
-            return True
-        key = proxy_admin_key(self.full_inv, p.host, create=True)
+        key = front_admin_key(self.full_inv, p.host, p.ip, p.port, http=self.http, create=True)
         return front_admin_code(p.ip, p.port, key, http=self.http) == 403
 
     def _preflight(self) -> None:

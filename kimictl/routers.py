@@ -75,18 +75,20 @@ def front_admin_code(ip: str, port: int, key: str | None, timeout: float = 5.0, 
     return (http or health).http_get(f"http://{ip}:{port}/kimictl/router/0{path}", timeout, key)[0]
 
 
-def front_admin_key(inv: Any, proxy_host: str, ip: str, port: int, http: Any = None) -> str | None:
+def front_admin_key(inv: Any, proxy_host: str, ip: str, port: int, http: Any = None,
+                    create: bool = False) -> str | None:
     """The cluster's admin key as the front at ip:port takes it: this control node's copy, or - when the front
     refuses the copy because the key was rotated from another control node - the cluster's own, read back after
-    the stale copy is dropped. A key the operator supplies is used as it is."""
+    the stale copy is dropped. A key the operator supplies is used as it is. `create`: as proxy_admin_key's
+    (deploy makes one for a cluster that holds none)."""
     from kimictl.cluster_secrets import ADMIN_KEY, forget_copy, proxy_admin_key, supplied_key
 
-    key = proxy_admin_key(inv, proxy_host)
+    key = proxy_admin_key(inv, proxy_host, create=create)
     if key is None or supplied_key(inv, ADMIN_KEY) is not None:
         return key
     if front_admin_code(ip, port, key, http=http) != 403 or not forget_copy(inv.cluster.name, ADMIN_KEY):
         return key
-    return proxy_admin_key(inv, proxy_host)
+    return proxy_admin_key(inv, proxy_host, create=create)
 
 
 class RouterError(KimictlError):
